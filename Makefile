@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both bootstrap .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: venv
+	$(PY) experiments/demo.py
+
+test: venv
+	$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; fi; exit $$rc
+
+lint: venv
+	$(VENV)/bin/ruff check cnftrace tests experiments
+	$(VENV)/bin/ruff format --check cnftrace tests experiments
+
+format: venv
+	$(VENV)/bin/ruff format cnftrace tests experiments
+	$(VENV)/bin/ruff check --fix cnftrace tests experiments
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache

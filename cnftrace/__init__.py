@@ -1,0 +1,24 @@
+"""cnftrace: continuous normalizing flows and ODE divergence estimators for JAX.
+
+The public API lives here; the `_`-modules are private.
+"""
+
+from ._estimators import (
+    AbstractEstimator as AbstractEstimator,
+    Exact as Exact,
+    Hutchinson as Hutchinson,
+    divergence as divergence,
+)
+from ._flow import (
+    CNF as CNF,
+    AbstractFlow as AbstractFlow,
+    Chain as Chain,
+    SolveStats as SolveStats,
+    make_flow as make_flow,
+)
+from ._nets import ConcatSquashLinear as ConcatSquashLinear, ConcatSquashMLP as ConcatSquashMLP
+from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
+from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
+from ._trace import trace as trace
+
+__version__ = "0.1.0"

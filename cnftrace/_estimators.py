@@ -1,0 +1,234 @@
+"""Trace estimators and the divergence of a vector field.
+
+An estimator turns a linear map `v -> J v` (a Jacobian-vector product, or a lineax
+operator's `mv`) into its trace. [`Exact`][cnftrace.Exact] applies the map to every
+basis vector; [`Hutchinson`][cnftrace.Hutchinson] averages `eps^T J eps` over a static
+number of random probes with `E[eps eps^T] = I`.
+
+Probes are drawn *separately* from their use (`draw` then `estimate`), so that a CNF can
+draw them once per ODE solve and reuse them at every evaluation of the vector field.
+"""
+
+import abc
+import math
+from collections.abc import Callable
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float
+
+from ._custom_types import Key
+
+_SAMPLERS = ("rademacher", "gaussian", "sphere")
+
+
+class AbstractEstimator(eqx.Module):
+    """Base class for trace estimators.
+
+    Subclasses say whether they need random probes (`stochastic`), how to draw them
+    (`draw`) and how to turn a linear map into a trace estimate given those probes
+    (`estimate`).
+    """
+
+    stochastic: ClassVar[bool]
+
+    @abc.abstractmethod
+    def draw(
+        self, key: Key | None, shape: tuple[int, ...], dtype, *, event_ndim: int = 1
+    ) -> Array | None:
+        """Draws the probes for a state of shape `(*batch, *event)`.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key (ignored, and may be `None`, for deterministic
+            estimators).
+        - `shape`: `(*batch, *event)`; `event_ndim` trailing dimensions are the sample.
+        - `dtype`: the floating dtype of the state; probes have this dtype.
+        - `event_ndim`: how many trailing dimensions of `shape` make one sample.
+
+        **Returns:**
+
+        An array of shape `(*batch, num_probes, *event)`, or `None`.
+        """
+
+    @abc.abstractmethod
+    def estimate(
+        self,
+        fn: Callable[[Array], Array],
+        y: Array,
+        probes: Array | None,
+    ) -> tuple[Array, Float[Array, ""]]:
+        """Returns `(fn(y), estimate of tr(d fn / d y))` for one sample `y`.
+
+        `probes` is what [`draw`][cnftrace.AbstractEstimator.draw] returned for this
+        sample: shape `(num_probes, *y.shape)`, or `None`.
+        """
+
+
+def _check_floating(y: Array, name: str) -> None:
+    if not jnp.issubdtype(y.dtype, jnp.inexact):
+        raise TypeError(
+            f"`{name}` has dtype {y.dtype}, but divergences and traces need a floating "
+            f"dtype; convert it first, e.g. `{name}.astype(jnp.float32)`."
+        )
+
+
+class Exact(AbstractEstimator):
+    """The exact trace: one Jacobian-vector product per basis vector, batched with
+    `vmap`, so the cost is that of `d` forward-mode passes for a state of size `d`.
+
+    Use it for evaluation (test NLL), and for training when `d` is small.
+    """
+
+    stochastic: ClassVar[bool] = False
+
+    def draw(self, key, shape, dtype, *, event_ndim=1) -> None:
+        del key, shape, dtype, event_ndim
+        return None
+
+    def estimate(self, fn, y, probes=None):
+        del probes
+        size = y.size
+        basis = jnp.eye(size, dtype=y.dtype).reshape((size,) + y.shape)
+
+        def jvp(v):
+            return jax.jvp(fn, (y,), (v,))
+
+        fy, columns = jax.vmap(jvp, out_axes=(None, 0))(basis)
+        # columns[i] = J e_i; the trace is the sum of the i-th entry of each.
+        div = jnp.trace(columns.reshape(size, size))
+        return fy, div
+
+
+class Hutchinson(AbstractEstimator):
+    """Hutchinson's stochastic trace estimator, `mean_k eps_k^T J eps_k`.
+
+    **Arguments:**
+
+    - `num_probes`: how many probes to average; a static Python `int`, at least 1.
+        Each probe costs one Jacobian-vector product.
+    - `sampler`: the probe distribution, each with `E[eps eps^T] = I`:
+        `"rademacher"` (entries +-1; lowest variance for most Jacobians),
+        `"gaussian"` (standard normal entries) or `"sphere"` (uniform on the sphere of
+        radius `sqrt(d)`).
+
+    Probes take the floating dtype of the state they are drawn for.
+    """
+
+    stochastic: ClassVar[bool] = True
+    num_probes: int = eqx.field(static=True)
+    sampler: Literal["rademacher", "gaussian", "sphere"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_probes: int = 1,
+        sampler: Literal["rademacher", "gaussian", "sphere"] = "rademacher",
+    ):
+        # Checked before assignment: a JAX array must never become a static field.
+        # `bool` is a subclass of `int`, but `num_probes=True` is surely a mistake.
+        if isinstance(num_probes, bool) or not isinstance(num_probes, int):
+            raise ValueError(
+                "`num_probes` must be a Python int (it fixes array shapes, so it cannot "
+                f"be a JAX array or a float); got {num_probes!r} of type "
+                f"{type(num_probes).__name__}. Use e.g. `num_probes=1`."
+            )
+        if num_probes < 1:
+            raise ValueError(
+                f"`num_probes` must be at least 1; got {num_probes}. "
+                "Use `num_probes=1` for the usual single-probe estimator."
+            )
+        if sampler not in _SAMPLERS:
+            raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
+        self.num_probes = num_probes
+        self.sampler = sampler
+
+    def draw(self, key, shape, dtype, *, event_ndim: int = 1):
+        if key is None:
+            raise ValueError(
+                "`Hutchinson` draws random probes and needs a PRNG key; pass "
+                "`key=jax.random.key(seed)`, or use `cnftrace.Exact()` for the exact "
+                "trace."
+            )
+        shape = tuple(shape)
+        batch, event = shape[: len(shape) - event_ndim], shape[len(shape) - event_ndim :]
+        full = batch + (self.num_probes,) + event
+        if self.sampler == "rademacher":
+            return jr.rademacher(key, full, dtype=dtype)
+        noise = jr.normal(key, full, dtype=dtype)
+        if self.sampler == "gaussian":
+            return noise
+        axes = tuple(range(len(full) - len(event), len(full)))
+        size = math.prod(event)
+        norm = jnp.sqrt(jnp.sum(noise**2, axis=axes, keepdims=True))
+        return noise * (math.sqrt(size) / norm)
+
+    def estimate(self, fn, y, probes):
+        if probes is None:
+            raise ValueError(
+                "`Hutchinson.estimate` needs probes; draw them with `Hutchinson.draw`."
+            )
+        if probes.shape != (self.num_probes,) + y.shape:
+            raise ValueError(
+                f"probes have shape {probes.shape}, but a state of shape {y.shape} "
+                f"with num_probes={self.num_probes} needs "
+                f"{(self.num_probes,) + y.shape}."
+            )
+
+        def jvp(v):
+            return jax.jvp(fn, (y,), (v,))
+
+        fy, jvps = jax.vmap(jvp, out_axes=(None, 0))(probes)
+        axes = tuple(range(1, probes.ndim))
+        div = jnp.mean(jnp.sum(probes * jvps, axis=axes))
+        return fy, div
+
+
+def divergence(
+    fn: Callable[[Array], Array],
+    y: Array,
+    *,
+    estimator: AbstractEstimator = Exact(),
+    key: Key | None = None,
+) -> tuple[Array, Float[Array, ""]]:
+    """Evaluates `fn(y)` and the divergence `tr(d fn / d y)` together.
+
+    Both come from forward-mode Jacobian-vector products: one per basis vector for
+    [`Exact`][cnftrace.Exact], one per probe for [`Hutchinson`][cnftrace.Hutchinson].
+
+    **Arguments:**
+
+    - `fn`: a function from `y`'s shape to the same shape, e.g. `(d,) -> (d,)`.
+    - `y`: the point, a floating array.
+    - `estimator`: [`Exact`][cnftrace.Exact] (default) or
+        [`Hutchinson`][cnftrace.Hutchinson].
+    - `key`: a PRNG key; required by stochastic estimators.
+
+    **Returns:**
+
+    `(fn(y), divergence)`, the divergence a scalar of `y`'s dtype.
+
+    !!! example
+
+        ```python
+        fy, div = cnftrace.divergence(lambda y: jnp.tanh(y), jnp.ones(3))
+        ```
+    """
+    y = jnp.asarray(y)
+    _check_floating(y, "y")
+    if not isinstance(estimator, AbstractEstimator):
+        raise TypeError(
+            "`estimator` must be a cnftrace estimator such as `cnftrace.Exact()` or "
+            f"`cnftrace.Hutchinson()`; got {type(estimator).__name__}."
+        )
+    out = jax.eval_shape(fn, y)
+    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != y.shape:
+        got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else out
+        raise ValueError(
+            f"`fn` must map an array of shape {y.shape} to the same shape (its "
+            f"Jacobian must be square to have a trace); it returned {got}."
+        )
+    probes = estimator.draw(key, y.shape, y.dtype, event_ndim=y.ndim)
+    return estimator.estimate(fn, y, probes)

@@ -1,0 +1,526 @@
+"""Continuous normalizing flows over a standard-normal base.
+
+Conventions. A block maps data towards the base by solving `dz/dt = f(t, z)` from `t0`
+to `t1`; this is the *forward* direction (`forward`, `log_prob`). Sampling runs the
+*inverse* direction, from `t1` back to `t0`. With `log_det = log|det dz/dx|`,
+
+    log p(x) = log N(z; 0, I) + log_det,    log_det = integral_{t0}^{t1} tr(df/dz) dt.
+
+Each solve treats the whole batch as one ODE state (never a `vmap` of solves), and the
+step-size controller uses the maximum over samples of each sample's RMS error.
+"""
+
+import abc
+import math
+from collections.abc import Sequence
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int
+
+from ._custom_types import Key, VectorField
+from ._estimators import AbstractEstimator, Exact
+from ._norm import max_rms_norm, max_rms_seminorm
+from ._term import CNFTerm, StateTerm
+
+
+class SolveStats(eqx.Module):
+    """Solver statistics of the ODE solves behind one call, one entry per block.
+
+    - `num_steps`: steps attempted (accepted and rejected).
+    - `num_accepted`, `num_rejected`: their split.
+    - `nfe`: evaluations of the vector field (for the whole batch at once). For
+        explicit Runge--Kutta solvers this is counted exactly from the step count and
+        the solver's stages: `stages` per step (one fewer for first-same-as-last
+        solvers, plus one initial evaluation); the tests check it against a count of
+        real evaluations. It is `-1` for solvers whose cost per step is not known.
+    """
+
+    num_steps: Int[Array, " blocks"]
+    num_accepted: Int[Array, " blocks"]
+    num_rejected: Int[Array, " blocks"]
+    nfe: Int[Array, " blocks"]
+
+    @property
+    def total_nfe(self) -> Int[Array, ""]:
+        """The evaluations of all blocks together."""
+        return jnp.sum(self.nfe)
+
+    @staticmethod
+    def concatenate(stats: Sequence["SolveStats"]) -> "SolveStats":
+        return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *stats)
+
+
+def _evals_per_step(solver: diffrax.AbstractSolver) -> tuple[int, int] | None:
+    """`(evaluations per step, evaluations at initialisation)`, where known."""
+    if isinstance(solver, diffrax.AbstractERK):
+        stages = len(solver.tableau.c) + 1
+        if solver.tableau.fsal:
+            return stages - 1, 1
+        return stages, 0
+    if isinstance(solver, diffrax.Euler):
+        return 1, 0
+    return None
+
+
+def _standard_normal_log_prob(z: Array, event_ndim: int) -> Array:
+    axes = tuple(range(z.ndim - event_ndim, z.ndim))
+    size = math.prod(z.shape[z.ndim - event_ndim :])
+    return -0.5 * jnp.sum(z**2, axis=axes) - 0.5 * size * math.log(2 * math.pi)
+
+
+def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, bool]:
+    """Checks `x` and returns it with a batch axis, and whether one was added."""
+    if isinstance(x, (list, tuple)):
+        x = jnp.asarray(x)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"`{name}` must be an array; got {type(x).__name__}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` has dtype {x.dtype}; a flow needs floating-point input. Convert "
+            f"it first, e.g. `{name}.astype(jnp.float32)` (dequantise integer data)."
+        )
+    event_ndim = len(event_shape)
+    shape = tuple(x.shape)
+    if shape == event_shape:
+        unbatched = True
+    elif len(shape) == event_ndim + 1 and shape[1:] == event_shape:
+        unbatched = False
+    else:
+        raise ValueError(
+            f"`{name}` has shape {shape}, but this flow models samples of shape "
+            f"{event_shape}: pass one sample of shape {event_shape} or a batch of "
+            f"shape (n, {', '.join(map(str, event_shape))})."
+        )
+    x = jnp.asarray(x)
+    if unbatched:
+        x = x[None]
+    x = eqx.error_if(
+        x,
+        jnp.any(~jnp.isfinite(x)),
+        f"`{name}` contains NaN or inf; a density is only defined at finite points. "
+        "Remove or impute those samples first.",
+    )
+    return x, unbatched
+
+
+def _need_key(key, estimators: Sequence[AbstractEstimator]) -> None:
+    if key is None and any(e.stochastic for e in estimators):
+        raise ValueError(
+            "this flow uses a stochastic trace estimator (e.g. Hutchinson) and needs "
+            "`key=jax.random.key(seed)`; or evaluate with the exact trace via "
+            "`flow.with_estimator(cnftrace.Exact())`."
+        )
+
+
+class AbstractFlow(eqx.Module):
+    """A normalizing flow over a standard-normal base, built from CNF blocks.
+
+    Subclasses implement `transform`; everything else is defined here.
+    """
+
+    @property
+    @abc.abstractmethod
+    def event_shape(self) -> tuple[int, ...]:
+        """The shape of one sample."""
+
+    @abc.abstractmethod
+    def estimators(self) -> tuple[AbstractEstimator, ...]:
+        """The trace estimators of the blocks."""
+
+    @abc.abstractmethod
+    def with_estimator(self, estimator: AbstractEstimator) -> "AbstractFlow":
+        """A copy of the flow whose blocks all use `estimator`."""
+
+    @abc.abstractmethod
+    def transform(
+        self,
+        x: Float[Array, "batch *event"],
+        *,
+        inverse: bool,
+        log_det: bool,
+        key: Key | None,
+    ) -> tuple[Array, Array | None, SolveStats]:
+        """Maps a batch through the flow (data to base, or base to data if `inverse`).
+
+        Returns `(y, log_det, stats)`, where `log_det` is `log|det dy/dx|` of the map
+        that was applied (or `None` when `log_det=False`: then no divergence is
+        computed at all, which is much cheaper).
+        """
+
+    # ------------------------------------------------------------------ public API
+
+    def log_prob(
+        self,
+        x: Float[Array, "*batch event"],
+        *,
+        key: Key | None = None,
+        return_stats: bool = False,
+    ):
+        """The log-density of `x`: `log N(z; 0, I) + log|det dz/dx|`.
+
+        **Arguments:**
+
+        - `x`: one sample of shape `event_shape` or a batch `(n, *event_shape)`.
+        - `key`: a PRNG key, required when a block uses a stochastic estimator.
+        - `return_stats`: also return the [`SolveStats`][cnftrace.SolveStats].
+
+        **Returns:**
+
+        The log-density, a scalar or shape `(n,)`; with `return_stats`, a pair
+        `(log_prob, stats)`.
+        """
+        x, unbatched = _validate_input(x, self.event_shape, "x")
+        _need_key(key, self.estimators())
+        z, log_det, stats = self.transform(x, inverse=False, log_det=True, key=key)
+        out = _standard_normal_log_prob(z, len(self.event_shape)) + log_det
+        out = out[0] if unbatched else out
+        return (out, stats) if return_stats else out
+
+    def sample(
+        self,
+        key: Key,
+        n: int,
+        *,
+        dtype=None,
+        return_stats: bool = False,
+    ):
+        """Draws `n` samples: base noise mapped through the inverse flow.
+
+        No divergence is computed, so this costs a plain ODE solve per block.
+
+        **Returns:**
+
+        An array of shape `(n, *event_shape)`; with `return_stats`, a pair.
+        """
+        z = self._base_sample(key, n, dtype)
+        x, _, stats = self.transform(z, inverse=True, log_det=False, key=None)
+        return (x, stats) if return_stats else x
+
+    def sample_and_log_prob(
+        self,
+        key: Key,
+        n: int,
+        *,
+        dtype=None,
+        return_stats: bool = False,
+    ):
+        """Draws `n` samples together with their log-density, in one inverse solve.
+
+        **Returns:**
+
+        `(samples, log_prob)`; with `return_stats`, `(samples, log_prob, stats)`.
+        """
+        base_key, probe_key = jr.split(key)
+        z = self._base_sample(base_key, n, dtype)
+        x, log_det, stats = self.transform(
+            z, inverse=True, log_det=True, key=probe_key
+        )
+        logp = _standard_normal_log_prob(z, len(self.event_shape)) - log_det
+        return (x, logp, stats) if return_stats else (x, logp)
+
+    def forward(self, x, *, return_stats: bool = False):
+        """Maps data `x` (one sample or a batch) to the base space."""
+        return self._map(x, inverse=False, return_stats=return_stats, name="x")
+
+    def inverse(self, z, *, return_stats: bool = False):
+        """Maps base-space points `z` (one sample or a batch) to data space."""
+        return self._map(z, inverse=True, return_stats=return_stats, name="z")
+
+    def forward_and_log_det(self, x, *, key=None, return_stats: bool = False):
+        """`(z, log|det dz/dx|)` for data `x`."""
+        return self._map_and_log_det(x, False, key, return_stats, "x")
+
+    def inverse_and_log_det(self, z, *, key=None, return_stats: bool = False):
+        """`(x, log|det dx/dz|)` for base-space points `z`."""
+        return self._map_and_log_det(z, True, key, return_stats, "z")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _base_sample(self, key, n, dtype):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"`n` must be a positive Python int; got {n!r}.")
+        dtype = jnp.result_type(float) if dtype is None else dtype
+        return jr.normal(key, (n,) + self.event_shape, dtype)
+
+    def _map(self, x, *, inverse, return_stats, name):
+        x, unbatched = _validate_input(x, self.event_shape, name)
+        y, _, stats = self.transform(x, inverse=inverse, log_det=False, key=None)
+        y = y[0] if unbatched else y
+        return (y, stats) if return_stats else y
+
+    def _map_and_log_det(self, x, inverse, key, return_stats, name):
+        x, unbatched = _validate_input(x, self.event_shape, name)
+        _need_key(key, self.estimators())
+        y, log_det, stats = self.transform(x, inverse=inverse, log_det=True, key=key)
+        if unbatched:
+            y, log_det = y[0], log_det[0]
+        return (y, log_det, stats) if return_stats else (y, log_det)
+
+
+class CNF(AbstractFlow):
+    """One continuous normalizing flow block, also a flow on its own.
+
+    Solves `dz/dt = f(t, z, args)` from `t0` (data) to `t1` (base) with diffrax, for a
+    whole batch in one solve, with the log-density change from `estimator`.
+
+    **Arguments:**
+
+    - `vector_field`: `f(t, z, args)` on *one* sample `z` of shape `event_shape`
+        (the diffrax signature), e.g. a [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP].
+        Its parameters are the flow's trainable parameters.
+    - `dim`: the size `d` of one sample, or the shape of one sample (a tuple) for
+        structured data such as images.
+    - `t0`, `t1`: the time span; `t1 > t0`.
+    - `solver`: an adaptive diffrax solver; `diffrax.Tsit5()` by default.
+    - `rtol`, `atol`: tolerances of the step-size controller (per sample).
+    - `adjoint`: how to differentiate the solve; `diffrax.RecursiveCheckpointAdjoint()`
+        by default. `diffrax.BacksolveAdjoint()` (O(1) memory, FFJORD's choice) and
+        `diffrax.DirectAdjoint()` work too.
+    - `estimator`: [`Exact`][cnftrace.Exact] (default) or
+        [`Hutchinson`][cnftrace.Hutchinson].
+    - `max_steps`: the solver's step limit.
+    - `dt0`: the initial step; `None` leaves it to diffrax's PID controller (which
+        starts at 0.01 for wrapped ODE terms and adapts from there).
+    - `args`: passed to `vector_field` as its `args`.
+
+    !!! example
+
+        ```python
+        key = jax.random.key(0)
+        field = cnftrace.ConcatSquashMLP(2, width=64, depth=3, key=key)
+        flow = cnftrace.CNF(field, dim=2, t1=0.5)
+        logp = flow.log_prob(jnp.zeros((10, 2)))
+        ```
+    """
+
+    vector_field: VectorField
+    shape: tuple[int, ...] = eqx.field(static=True)
+    t0: float
+    t1: float
+    solver: diffrax.AbstractAdaptiveSolver
+    rtol: float
+    atol: float
+    adjoint: diffrax.AbstractAdjoint
+    estimator: AbstractEstimator
+    max_steps: int = eqx.field(static=True)
+    dt0: float | None
+    args: object
+
+    def __init__(
+        self,
+        vector_field: VectorField,
+        dim: int | tuple[int, ...],
+        *,
+        t0: float = 0.0,
+        t1: float = 1.0,
+        solver: diffrax.AbstractSolver | None = None,
+        rtol: float = 1e-5,
+        atol: float = 1e-5,
+        adjoint: diffrax.AbstractAdjoint | None = None,
+        estimator: AbstractEstimator | None = None,
+        max_steps: int = 4096,
+        dt0: float | None = None,
+        args=None,
+    ):
+        if not callable(vector_field):
+            raise TypeError(
+                "`vector_field` must be callable as `f(t, z, args)`; got "
+                f"{type(vector_field).__name__}."
+            )
+        if isinstance(dim, int) and not isinstance(dim, bool):
+            shape = (dim,)
+        elif isinstance(dim, tuple) and all(
+            isinstance(s, int) and not isinstance(s, bool) for s in dim
+        ):
+            shape = dim
+        else:
+            raise ValueError(
+                f"`dim` must be a positive int (or a tuple of them); got {dim!r}."
+            )
+        if len(shape) == 0 or any(s < 1 for s in shape):
+            raise ValueError(f"`dim` must be positive; got {dim!r}.")
+        if isinstance(t0, (int, float)) and isinstance(t1, (int, float)) and t1 <= t0:
+            raise ValueError(f"need `t1 > t0`; got t0={t0}, t1={t1}.")
+        if not (rtol > 0 and atol > 0):
+            raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or (
+            max_steps < 1
+        ):
+            raise ValueError(f"`max_steps` must be a positive int; got {max_steps!r}.")
+        estimator = Exact() if estimator is None else estimator
+        if not isinstance(estimator, AbstractEstimator):
+            raise TypeError(
+                "`estimator` must be `cnftrace.Exact()` or `cnftrace.Hutchinson(...)`; "
+                f"got {type(estimator).__name__}."
+            )
+        self.vector_field = vector_field
+        self.shape = shape
+        self.t0 = t0
+        self.t1 = t1
+        self.solver = diffrax.Tsit5() if solver is None else solver
+        self.rtol = rtol
+        self.atol = atol
+        self.adjoint = (
+            diffrax.RecursiveCheckpointAdjoint() if adjoint is None else adjoint
+        )
+        self.estimator = estimator
+        self.max_steps = max_steps
+        self.dt0 = dt0
+        self.args = args
+
+    @property
+    def event_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def estimators(self):
+        return (self.estimator,)
+
+    def with_estimator(self, estimator: AbstractEstimator) -> "CNF":
+        return eqx.tree_at(lambda f: f.estimator, self, estimator)
+
+    def _adjoint(self) -> diffrax.AbstractAdjoint:
+        # The backward solve of BacksolveAdjoint runs on the augmented state
+        # (y, a_y, a_args, a_terms): give it a norm that understands that state.
+        adjoint = self.adjoint
+        if isinstance(adjoint, diffrax.BacksolveAdjoint) and (
+            "stepsize_controller" not in adjoint.kwargs
+        ):
+            controller = diffrax.PIDController(
+                rtol=self.rtol, atol=self.atol, norm=max_rms_seminorm
+            )
+            adjoint = diffrax.BacksolveAdjoint(
+                **adjoint.kwargs, stepsize_controller=controller
+            )
+        return adjoint
+
+    def transform(self, x, *, inverse, log_det, key):
+        event_ndim = len(self.shape)
+        if log_det:
+            term = CNFTerm(self.vector_field, self.estimator, event_ndim)
+            y0 = term.initial_state(x)
+            args = term.make_args(x, key=key, args=self.args)
+        else:
+            term = StateTerm(self.vector_field, event_ndim)
+            y0 = x
+            args = self.args
+        t_start, t_end = (self.t1, self.t0) if inverse else (self.t0, self.t1)
+        dt0 = self.dt0
+        if dt0 is not None and inverse:
+            dt0 = -dt0
+        controller = diffrax.PIDController(
+            rtol=self.rtol, atol=self.atol, norm=max_rms_norm
+        )
+        sol = diffrax.diffeqsolve(
+            term,
+            self.solver,
+            t_start,
+            t_end,
+            dt0,
+            y0,
+            args=args,
+            stepsize_controller=controller,
+            adjoint=self._adjoint(),
+            max_steps=self.max_steps,
+            saveat=diffrax.SaveAt(t1=True),
+        )
+        if log_det:
+            z, delta_logp = sol.ys
+            # delta_logp = log p_end(z_end) - log p_start(z_start), and
+            # log|det dz_end/dz_start| = -delta_logp.
+            out, ld = z[0], -delta_logp[0]
+        else:
+            out, ld = sol.ys[0], None
+        return out, ld, self._stats(sol)
+
+    def _stats(self, sol: diffrax.Solution) -> SolveStats:
+        num_steps = jnp.asarray(sol.stats["num_steps"])
+        accepted = jnp.asarray(sol.stats["num_accepted_steps"])
+        rejected = jnp.asarray(sol.stats["num_rejected_steps"])
+        costs = _evals_per_step(self.solver)
+        if costs is None:
+            nfe = jnp.asarray(-1)
+        else:
+            per_step, at_init = costs
+            nfe = num_steps * per_step + at_init
+        return SolveStats(
+            num_steps=num_steps[None],
+            num_accepted=accepted[None],
+            num_rejected=rejected[None],
+            nfe=jnp.asarray(nfe)[None],
+        )
+
+
+class Chain(AbstractFlow):
+    """A chain of flow blocks over one standard-normal base.
+
+    Data passes through `blocks[0]`, then `blocks[1]`, ... towards the base;
+    sampling runs the blocks in reverse order. `log_prob` adds up the blocks'
+    log-determinants.
+
+    **Arguments:**
+
+    - `blocks`: a sequence of [`CNF`][cnftrace.CNF] blocks (or other flows) with the
+        same `event_shape`.
+    """
+
+    blocks: tuple[AbstractFlow, ...]
+
+    def __init__(self, blocks: Sequence[AbstractFlow]):
+        blocks = tuple(blocks)
+        if not blocks:
+            raise ValueError("`blocks` must hold at least one flow block.")
+        for i, b in enumerate(blocks):
+            if not isinstance(b, AbstractFlow):
+                raise TypeError(
+                    f"`blocks[{i}]` must be a cnftrace flow (e.g. `cnftrace.CNF`); got "
+                    f"{type(b).__name__}."
+                )
+        shapes = {b.event_shape for b in blocks}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"all blocks must model samples of one shape; got shapes {shapes}."
+            )
+        self.blocks = blocks
+
+    @property
+    def event_shape(self):
+        return self.blocks[0].event_shape
+
+    def estimators(self):
+        return tuple(e for b in self.blocks for e in b.estimators())
+
+    def with_estimator(self, estimator):
+        return Chain([b.with_estimator(estimator) for b in self.blocks])
+
+    def transform(self, x, *, inverse, log_det, key):
+        blocks = self.blocks[::-1] if inverse else self.blocks
+        keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
+        total = jnp.zeros(x.shape[:1], x.dtype) if log_det else None
+        all_stats = []
+        for block, k in zip(blocks, keys):
+            x, ld, stats = block.transform(x, inverse=inverse, log_det=log_det, key=k)
+            if log_det:
+                total = total + ld
+            all_stats.append(stats)
+        if inverse:
+            all_stats = all_stats[::-1]  # report stats in block order
+        return x, total, SolveStats.concatenate(all_stats)
+
+
+def make_flow(
+    vector_fields: Sequence[VectorField] | VectorField,
+    dim: int | tuple[int, ...],
+    **kwargs,
+) -> AbstractFlow:
+    """A [`CNF`][cnftrace.CNF] for one vector field, or a [`Chain`][cnftrace.Chain] of
+    blocks sharing the keyword settings (`t1`, `solver`, `rtol`, ...) for several."""
+    if callable(vector_fields) and not isinstance(vector_fields, (list, tuple)):
+        return CNF(vector_fields, dim, **kwargs)
+    return Chain([CNF(f, dim, **kwargs) for f in vector_fields])
+
+
+__all__ = ["AbstractFlow", "CNF", "Chain", "SolveStats", "make_flow"]
