@@ -20,5 +20,6 @@ from ._nets import ConcatSquashLinear as ConcatSquashLinear, ConcatSquashMLP as 
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
+from ._train import NLL as NLL, evaluate_nll as evaluate_nll, fit as fit
 
 __version__ = "0.1.0"

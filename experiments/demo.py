@@ -1,0 +1,91 @@
+"""`make demo`: train a small CNF on 8gaussians, report the exact test NLL beside the
+data's true entropy, and write a picture of the learned density and samples.
+
+    python experiments/demo.py [--steps N] [--seed S] [--out DIR]
+"""
+
+import argparse
+import os
+import time
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+
+import cnftrace
+from cnftrace.datasets import toy_entropy, toy_sample
+from cnftrace.plot import plot_flow_2d
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=700, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--test-size", type=int, default=5000)
+    parser.add_argument("--out", default="demo_output", help="output directory")
+    args = parser.parse_args(argv)
+
+    dataset = "8gaussians"
+    key = jr.key(args.seed)
+    model_key, train_key, test_key, sample_key = jr.split(key, 4)
+
+    field = cnftrace.ConcatSquashMLP(2, width=64, depth=3, key=model_key)
+    flow = cnftrace.CNF(
+        field, dim=2, t1=0.5, solver=diffrax.Tsit5(), rtol=1e-5, atol=1e-5
+    )
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=min(50, args.steps // 4), decay_steps=args.steps, end_value=args.lr / 20
+    )
+    optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(schedule))
+
+    print(
+        f"cnftrace demo: one CNF block (ConcatSquash 2-64-64-64-2, tanh, T=0.5, "
+        f"Tsit5 at 1e-5), {dataset}, {args.steps} steps of {args.batch_size} fresh "
+        f"samples, Hutchinson (Rademacher) in training. JAX on "
+        f"{jax.devices()[0].platform}."
+    )
+    start = time.perf_counter()
+    flow, history = cnftrace.fit(
+        flow,
+        lambda k, n: toy_sample(dataset, k, n),
+        key=train_key,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        optimizer=optimizer,
+        estimator=cnftrace.Hutchinson(),
+        progress=True,
+        log_every=10,
+    )
+    train_seconds = time.perf_counter() - start
+
+    test = toy_sample(dataset, test_key, args.test_size)
+    nll = cnftrace.evaluate_nll(flow, test)
+    entropy = toy_entropy(dataset)
+    print(f"training time        {train_seconds:7.1f} s")
+    print(f"final train NLL      {history['loss'][-1]:7.4f} nats (Hutchinson estimate)")
+    print(f"test NLL (exact)     {nll.mean:7.4f} ± {nll.stderr:.4f} nats")
+    print(f"true entropy         {entropy:7.4f} nats")
+    print(f"gap                  {nll.mean - entropy:7.4f} nats")
+    print(f"NFE per solve        {nll.nfe:7.1f} (exact-trace evaluation)")
+
+    samples = flow.sample(sample_key, 20_000)
+    os.makedirs(args.out, exist_ok=True)
+    path = plot_flow_2d(
+        flow,
+        toy_sample(dataset, jr.fold_in(test_key, 1), 20_000),
+        samples,
+        os.path.join(args.out, "demo_8gaussians.png"),
+        title=f"{dataset}: test NLL {nll.mean:.3f} nats (entropy {entropy:.3f})",
+    )
+    print(f"picture              {path}")
+    print(f"total time           {time.perf_counter() - start:7.1f} s")
+    return nll, entropy
+
+
+if __name__ == "__main__":
+    jnp.zeros(())  # initialise the backend before timing
+    main()
