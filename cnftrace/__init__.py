@@ -3,6 +3,7 @@
 The public API lives here; the `_`-modules are private.
 """
 
+from ._checkpoint import CheckpointError as CheckpointError
 from ._estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,
@@ -16,10 +17,18 @@ from ._flow import (
     SolveStats as SolveStats,
     make_flow as make_flow,
 )
-from ._nets import ConcatSquashLinear as ConcatSquashLinear, ConcatSquashMLP as ConcatSquashMLP
+from ._nets import (
+    ConcatSquashLinear as ConcatSquashLinear,
+    ConcatSquashMLP as ConcatSquashMLP,
+)
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
-from ._train import NLL as NLL, evaluate_nll as evaluate_nll, fit as fit
+from ._train import (
+    NLL as NLL,
+    TrainingError as TrainingError,
+    evaluate_nll as evaluate_nll,
+    fit as fit,
+)
 
 __version__ = "0.1.0"

@@ -10,8 +10,8 @@ Key: TypeAlias = PRNGKeyArray
 VectorField: TypeAlias = Callable[[Any, Array, Args], Array]
 """A per-sample vector field `f(t, y, args) -> dy/dt` with `dy/dt` shaped like `y`."""
 
-Sample: TypeAlias = Float[Array, "*event"]
-Batch: TypeAlias = Float[Array, "batch *event"]
+Sample: TypeAlias = Float[Array, "..."]
+Batch: TypeAlias = Float[Array, "batch ..."]
 Scalar: TypeAlias = Float[Array, ""]
 
 __all__ = [

@@ -131,8 +131,8 @@ class Hutchinson(AbstractEstimator):
         # `bool` is a subclass of `int`, but `num_probes=True` is surely a mistake.
         if isinstance(num_probes, bool) or not isinstance(num_probes, int):
             raise ValueError(
-                "`num_probes` must be a Python int (it fixes array shapes, so it cannot "
-                f"be a JAX array or a float); got {num_probes!r} of type "
+                "`num_probes` must be a Python int (it fixes array shapes, so it "
+                f"cannot be a JAX array or a float); got {num_probes!r} of type "
                 f"{type(num_probes).__name__}. Use e.g. `num_probes=1`."
             )
         if num_probes < 1:
@@ -153,7 +153,10 @@ class Hutchinson(AbstractEstimator):
                 "trace."
             )
         shape = tuple(shape)
-        batch, event = shape[: len(shape) - event_ndim], shape[len(shape) - event_ndim :]
+        batch, event = (
+            shape[: len(shape) - event_ndim],
+            shape[len(shape) - event_ndim :],
+        )
         full = batch + (self.num_probes,) + event
         if self.sampler == "rademacher":
             return jr.rademacher(key, full, dtype=dtype)

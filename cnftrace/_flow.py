@@ -140,7 +140,7 @@ class AbstractFlow(eqx.Module):
     @abc.abstractmethod
     def transform(
         self,
-        x: Float[Array, "batch *event"],
+        x: Float[Array, "batch ..."],
         *,
         inverse: bool,
         log_det: bool,
@@ -218,9 +218,7 @@ class AbstractFlow(eqx.Module):
         """
         base_key, probe_key = jr.split(key)
         z = self._base_sample(base_key, n, dtype)
-        x, log_det, stats = self.transform(
-            z, inverse=True, log_det=True, key=probe_key
-        )
+        x, log_det, stats = self.transform(z, inverse=True, log_det=True, key=probe_key)
         logp = _standard_normal_log_prob(z, len(self.event_shape)) - log_det
         return (x, logp, stats) if return_stats else (x, logp)
 
@@ -356,8 +354,10 @@ class CNF(AbstractFlow):
             raise ValueError(f"need `t1 > t0`; got t0={t0}, t1={t1}.")
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or (
-            max_steps < 1
+        if (
+            isinstance(max_steps, bool)
+            or not isinstance(max_steps, int)
+            or (max_steps < 1)
         ):
             raise ValueError(f"`max_steps` must be a positive int; got {max_steps!r}.")
         estimator = Exact() if estimator is None else estimator

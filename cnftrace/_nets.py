@@ -26,7 +26,7 @@ class ConcatSquashLinear(eqx.Module):
         k1, k2, k3, k4 = jr.split(key, 4)
         dtype = jnp.result_type(float) if dtype is None else dtype
         self.linear = eqx.nn.Linear(in_size, out_size, key=k1, dtype=dtype)
-        # The hyper-networks take the scalar t (fan-in 1), as in torch's nn.Linear(1, n).
+        # The hyper-networks take the scalar t (fan-in 1): U(-1, 1), as torch does.
         self.gate_weight = jr.uniform(k2, (out_size,), dtype, -1.0, 1.0)
         self.gate_bias = jr.uniform(k3, (out_size,), dtype, -1.0, 1.0)
         self.shift_weight = jr.uniform(k4, (out_size,), dtype, -1.0, 1.0)
@@ -69,7 +69,11 @@ class ConcatSquashMLP(eqx.Module):
         key: Key,
         dtype=None,
     ):
-        for name, value, low in (("dim", dim, 1), ("width", width, 1), ("depth", depth, 0)):
+        for name, value, low in (
+            ("dim", dim, 1),
+            ("width", width, 1),
+            ("depth", depth, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
         sizes = [dim] + [width] * depth + [dim]

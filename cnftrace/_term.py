@@ -81,17 +81,15 @@ class CNFTerm(ODETerm):
     estimator: AbstractEstimator = Exact()
     event_ndim: int = eqx.field(default=1, static=True)
 
-    def make_args(
-        self, z0: Array, *, key: Key | None = None, args=None
-    ) -> CNFArgs:
-        """Draws this solve's probes for the initial state `z0` and bundles them with the
-        vector field's own `args`."""
-        probes = self.estimator.draw(key, z0.shape, z0.dtype, event_ndim=self.event_ndim)
+    def make_args(self, z0: Array, *, key: Key | None = None, args=None) -> CNFArgs:
+        """Draws this solve's probes for the initial state `z0` and bundles them
+        with the vector field's own `args`."""
+        probes = self.estimator.draw(
+            key, z0.shape, z0.dtype, event_ndim=self.event_ndim
+        )
         return CNFArgs(args=args, probes=probes)
 
-    def initial_state(
-        self, z0: Array
-    ) -> tuple[Array, Float[Array, " *batch"]]:
+    def initial_state(self, z0: Array) -> tuple[Array, Float[Array, " *batch"]]:
         """`(z0, zeros)`: the augmented initial state."""
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
         return z0, jnp.zeros(batch_shape, z0.dtype)

@@ -14,11 +14,18 @@ import optax
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
+from ._checkpoint import (
+    checkpoint_path,
+    key_to_data,
+    latest_good_checkpoint,
+    read_header,
+    save_checkpoint,
+)
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact, Hutchinson
-from ._flow import AbstractFlow
+from ._flow import CNF, AbstractFlow, Chain
 
-DataSource = Float[Array, "n *event"] | Callable[[Key, int], Float[Array, "batch *event"]]
+DataSource = Float[Array, "n ..."] | Callable[[Key, int], Float[Array, "batch ..."]]
 
 
 class NLL(eqx.Module):
@@ -50,6 +57,26 @@ def _batch_sampler(data: DataSource, name: str) -> Callable[[Key, int], Array]:
     return sample
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on: too many consecutive non-finite steps, or the ODE solver
+    hit its step limit."""
+
+
+def _all_finite(tree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _solver_settings(flow: AbstractFlow) -> str:
+    blocks = flow.blocks if isinstance(flow, Chain) else (flow,)
+    parts = {
+        f"rtol={b.rtol}, atol={b.atol}, max_steps={b.max_steps}"
+        for b in blocks
+        if isinstance(b, CNF)
+    }
+    return "; ".join(sorted(parts)) or "see the flow's blocks"
+
+
 def fit(
     flow: AbstractFlow,
     data: DataSource,
@@ -61,6 +88,12 @@ def fit(
     estimator: AbstractEstimator | None = None,
     progress: bool = True,
     log_every: int = 1,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 3,
+    config: dict[str, Any] | None = None,
+    max_failures: int = 10,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
     """Trains `flow` by maximum likelihood.
 
@@ -70,8 +103,10 @@ def fit(
     - `data`: an array of training samples `(n, *event)`, from which batches are
         drawn with replacement, or a function `(key, batch_size) -> batch` that
         generates fresh samples.
-    - `key`: the PRNG key; the same key gives the same run.
-    - `steps`: number of optimiser steps.
+    - `key`: the PRNG key; the same key gives the same run. Step `i` uses
+        `jax.random.fold_in(key, i)` for its batch and probes, so a resumed run draws
+        exactly what an uninterrupted one would.
+    - `steps`: the total number of optimiser steps (a resumed run stops there too).
     - `batch_size`: samples per step.
     - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
     - `estimator`: the trace estimator used in training, a Rademacher
@@ -79,16 +114,33 @@ def fit(
         the flow's own estimator (for evaluation).
     - `progress`: show a progress bar.
     - `log_every`: record the history every this many steps.
+    - `checkpoint_dir`: where to write checkpoints (model, optimiser state, step,
+        key, history, config) every `checkpoint_every` steps and at the end, keeping
+        the newest `keep`. If it already holds checkpoints of the same config, training
+        resumes from the newest good one (corrupted ones are reported and skipped).
+    - `config`: a JSON-serialisable dict describing the run; a checkpoint written
+        under another config is refused, naming the differences.
+    - `max_failures`: a step whose loss or gradient is not finite is skipped (the
+        model and optimiser state stay as they were) and counted; after this many
+        consecutive skipped steps training stops with a `TrainingError`.
+    - `on_log`: called with each history record (a dict) as it is logged.
 
     **Returns:**
 
     `(trained_flow, history)`, the history a dict of lists: `step`, `loss` (the
-    training NLL estimate), `nfe` (forward NFE per step, all blocks), `seconds`.
+    training NLL estimate), `nfe` (forward NFE per step, all blocks), `seconds`,
+    `skipped` (non-finite steps skipped so far).
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be a positive int; got {steps!r}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive int; got {batch_size!r}.")
+    for name, value, low in (
+        ("steps", steps, 1),
+        ("batch_size", batch_size, 1),
+        ("log_every", log_every, 1),
+        ("checkpoint_every", checkpoint_every, 1),
+        ("keep", keep, 1),
+        ("max_failures", max_failures, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
     sampler = _batch_sampler(data, "data")
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     estimator = Hutchinson() if estimator is None else estimator
@@ -96,43 +148,114 @@ def fit(
     # The step donates its buffers; copy so the caller's flow stays usable.
     params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = optimizer.init(params)
+    run_config = {
+        "batch_size": batch_size,
+        "estimator": repr(estimator),
+        "event_shape": list(flow.event_shape),
+        **(config or {}),
+    }
+    history: dict[str, list[Any]] = {
+        "step": [],
+        "loss": [],
+        "nfe": [],
+        "seconds": [],
+        "skipped": [],
+    }
+    first_step = 0
+    if checkpoint_dir is not None:
+        like = (params, opt_state, key_to_data(key))
+        found = latest_good_checkpoint(checkpoint_dir, like, run_config)
+        if found is not None:
+            first_step, (params, opt_state, _) = found
+            header, _ = read_header(checkpoint_path(checkpoint_dir, first_step))
+            history = header["history"]
 
     def loss_fn(params, batch, key):
         model = eqx.combine(params, static).with_estimator(estimator)
         logp, stats = model.log_prob(batch, key=key, return_stats=True)
         return -jnp.mean(logp), stats.total_nfe
 
-    @eqx.filter_jit(donate="all")
-    def step(params, opt_state, key):
-        data_key, probe_key = jr.split(key)
+    @eqx.filter_jit(donate="all-except-first")
+    def step(i, params, opt_state, failures):
+        data_key, probe_key = jr.split(jr.fold_in(key, i))
         batch = sampler(data_key, batch_size)
         (loss, nfe), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
             params, batch, probe_key
         )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-        return params, opt_state, loss, nfe
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = eqx.apply_updates(params, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        keep_new = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        params = jax.tree_util.tree_map(keep_new, new_params, params)
+        opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, opt_state)
+        failures = jnp.where(ok, 0, failures + 1)
+        return params, opt_state, loss, nfe, failures, ~ok
 
-    history: dict[str, list[Any]] = {"step": [], "loss": [], "nfe": [], "seconds": []}
-    start = time.perf_counter()
-    bar = tqdm(range(steps), disable=not progress, desc="training", unit="it")
+    def save(done):
+        state = (params, opt_state, key_to_data(key))
+        save_checkpoint(
+            checkpoint_dir, done, state, run_config, keep=keep, history=history
+        )
+
+    skipped = history["skipped"][-1] if history["skipped"] else 0
+    failures = jnp.asarray(0)
+    start = time.perf_counter() - (history["seconds"][-1] if history["seconds"] else 0)
+    bar = tqdm(
+        range(first_step, steps),
+        initial=first_step,
+        total=steps,
+        disable=not progress,
+        desc="training",
+        unit="it",
+    )
     for i in bar:
-        key, step_key = jr.split(key)
-        params, opt_state, loss, nfe = step(params, opt_state, step_key)
-        if (i + 1) % log_every == 0 or i == steps - 1:
-            loss_f, nfe_i = float(loss), int(nfe)
-            history["step"].append(i + 1)
-            history["loss"].append(loss_f)
-            history["nfe"].append(nfe_i)
-            history["seconds"].append(time.perf_counter() - start)
+        try:
+            params, opt_state, loss, nfe, failures, bad = step(
+                jnp.asarray(i), params, opt_state, failures
+            )
+            skipped += int(bad)
+        except Exception as e:  # the solver's max_steps check, raised at run time
+            if "maximum number of solver steps" not in str(e):
+                raise
+            raise TrainingError(
+                f"the ODE solver reached its step limit at training step {i + 1} "
+                f"({_solver_settings(flow)}): the dynamics have become too stiff for "
+                "the tolerance. Raise `max_steps`, loosen `rtol`/`atol`, lower the "
+                "learning rate, or regularise the dynamics; the last checkpoint is "
+                "intact."
+            ) from e
+        if int(failures) >= max_failures:
+            raise TrainingError(
+                f"{int(failures)} consecutive training steps gave a non-finite loss "
+                f"or gradient (up to step {i + 1}); stopping. The model was not "
+                "updated by those steps and the last checkpoint is intact. Lower the "
+                "learning rate, clip gradients, or tighten the solver tolerance."
+            )
+        done = i + 1
+        if done % log_every == 0 or done == steps:
+            record = {
+                "step": done,
+                "loss": float(loss),
+                "nfe": int(nfe),
+                "seconds": time.perf_counter() - start,
+                "skipped": skipped,
+            }
+            for name, value in record.items():
+                history[name].append(value)
+            if on_log is not None:
+                on_log(record)
             if progress:
-                bar.set_postfix(loss=f"{loss_f:.4f}", nfe=nfe_i)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", nfe=record["nfe"])
+        if checkpoint_dir is not None and (
+            done % checkpoint_every == 0 or done == steps
+        ):
+            save(done)
     return eqx.combine(params, static), history
 
 
 def evaluate_nll(
     flow: AbstractFlow,
-    x: Float[Array, "n *event"],
+    x: Float[Array, "n ..."],
     *,
     batch_size: int = 1000,
     estimator: AbstractEstimator | None = None,

@@ -12,13 +12,18 @@ from ._flow import AbstractFlow
 
 
 def density_grid(
-    flow: AbstractFlow, *, lim: float = 4.0, resolution: int = 150, batch_size: int = 5000
+    flow: AbstractFlow,
+    *,
+    lim: float = 4.0,
+    resolution: int = 150,
+    batch_size: int = 5000,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The flow's exact log-density on a `resolution x resolution` grid over
     `[-lim, lim]^2`. Returns `(xs, ys, logp)` with `logp[i, j]` at `(xs[j], ys[i])`."""
     if flow.event_shape != (2,):
         raise ValueError(
-            f"density plots need a 2-D flow; this one has event shape {flow.event_shape}."
+            "density plots need a 2-D flow; this one has event shape "
+            f"{flow.event_shape}."
         )
     xs = np.linspace(-lim, lim, resolution)
     grid = np.stack(np.meshgrid(xs, xs), axis=-1).reshape(-1, 2)

@@ -38,7 +38,11 @@ def main(argv=None):
         field, dim=2, t1=0.5, solver=diffrax.Tsit5(), rtol=1e-5, atol=1e-5
     )
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=min(50, args.steps // 4), decay_steps=args.steps, end_value=args.lr / 20
+        0.0,
+        args.lr,
+        warmup_steps=min(50, args.steps // 4),
+        decay_steps=args.steps,
+        end_value=args.lr / 20,
     )
     optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(schedule))
 

@@ -1,4 +1,4 @@
-"""Test configuration: float64 for numerical-correctness tests, strict rank promotion."""
+"""Test configuration: float64 for numerical tests, strict rank promotion."""
 
 import jax
 

@@ -113,9 +113,9 @@ def test_num_probes_stays_static_under_eval_shape_and_jit():
     assert f(est, y, jr.key(1)).shape == (3, 3)
     # As a static field, num_probes is part of the treedef, not a traced leaf.
     assert jax.tree_util.tree_leaves(est) == []
-    out = jax.jit(lambda e, y, k: cnftrace.divergence(_field, y, estimator=e, key=k)[1])(
-        est, y, jr.key(2)
-    )
+    out = jax.jit(
+        lambda e, y, k: cnftrace.divergence(_field, y, estimator=e, key=k)[1]
+    )(est, y, jr.key(2))
     assert out.shape == ()
 
 

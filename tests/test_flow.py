@@ -1,4 +1,4 @@
-"""CNF blocks and chains: closed forms, round trips, adjoints, regressions, bad input."""
+"""CNF blocks and chains: closed forms, round trips, adjoints, regressions, errors."""
 
 import diffrax
 import equinox as eqx
@@ -50,9 +50,7 @@ def test_linear_chain_matches_closed_form():
 
     samples, logq = flow.sample_and_log_prob(jr.key(1), 5)
     z_back = flow.forward(samples)
-    expected_q = (
-        _std_normal_logpdf(z_back) + 0.7 * jnp.trace(a1) + 0.8 * jnp.trace(a2)
-    )
+    expected_q = _std_normal_logpdf(z_back) + 0.7 * jnp.trace(a1) + 0.8 * jnp.trace(a2)
     np.testing.assert_allclose(logq, expected_q, rtol=0, atol=1e-8)
 
 
@@ -63,7 +61,10 @@ def _mlp_flow(key, d=2, **kwargs):
 
 def test_round_trips():
     flow = cnftrace.Chain(
-        [_mlp_flow(jr.key(0), rtol=1e-9, atol=1e-9), _mlp_flow(jr.key(1), rtol=1e-9, atol=1e-9)]
+        [
+            _mlp_flow(jr.key(0), rtol=1e-9, atol=1e-9),
+            _mlp_flow(jr.key(1), rtol=1e-9, atol=1e-9),
+        ]
     )
     x = jr.normal(jr.key(2), (8, 2))
     z = flow.forward(x)
@@ -110,7 +111,9 @@ def test_nfe_counts_real_evaluations():
 
         def __call__(self, t, z, args):
             # Fires once per evaluation of the batched vector field (sample 0 only).
-            jax.debug.callback(lambda i: counter.append(1) if i == 0 else None, z[0] * 0)
+            jax.debug.callback(
+                lambda i: counter.append(1) if i == 0 else None, z[0] * 0
+            )
             return self.inner(t, z, args)
 
     for solver in [diffrax.Tsit5(), diffrax.Dopri5(), diffrax.Bosh3()]:
@@ -262,16 +265,22 @@ def test_regression_custom_jvp_with_symbolic_zero_tangents():
 
     g_custom = grad_linear2(custom)
     g_plain = grad_linear2(plain)
-    for a, b in zip(jax.tree_util.tree_leaves(g_custom), jax.tree_util.tree_leaves(g_plain)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(g_custom), jax.tree_util.tree_leaves(g_plain)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
     # All inputs, including the scale that only the custom rule differentiates.
     g_all_c = eqx.filter_jit(eqx.filter_grad(loss))(custom, x)
     g_all_p = eqx.filter_jit(eqx.filter_grad(loss))(plain, x)
-    for a, b in zip(jax.tree_util.tree_leaves(g_all_c), jax.tree_util.tree_leaves(g_all_p)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(g_all_c), jax.tree_util.tree_leaves(g_all_p)
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
     # Nothing leaked: the jitted functions can be called again and give the same answer.
     again = grad_linear2(custom)
-    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(g_custom)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(g_custom)
+    ):
         np.testing.assert_array_equal(a, b)
 
 

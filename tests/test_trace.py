@@ -48,12 +48,19 @@ def test_hutchinson_trace_is_unbiased(name, sampler):
         jr.split(jr.key(1), 20_000)
     )
     mean, se = jnp.mean(samples), jnp.std(samples) / math.sqrt(samples.size)
-    assert abs(mean - jnp.trace(matrix)) <= 4 * se + 1e-12, (mean, jnp.trace(matrix), se)
+    assert abs(mean - jnp.trace(matrix)) <= 4 * se + 1e-12, (
+        mean,
+        jnp.trace(matrix),
+        se,
+    )
 
 
 def test_trace_of_pytree_operator():
     m = jr.normal(jr.key(2), (3, 3))
-    struct = {"a": jax.ShapeDtypeStruct((2,), m.dtype), "b": jax.ShapeDtypeStruct((1,), m.dtype)}
+    struct = {
+        "a": jax.ShapeDtypeStruct((2,), m.dtype),
+        "b": jax.ShapeDtypeStruct((1,), m.dtype),
+    }
 
     def mv(v):
         flat = jnp.concatenate([v["a"], v["b"]])
@@ -96,7 +103,9 @@ def test_gradient_with_respect_to_matrix_and_diagonal():
     # Stochastic: d/dM of e^T M e is e e^T, averaged over the probes.
     est = cnftrace.Hutchinson(num_probes=3)
     grad = jax.grad(
-        lambda m: cnftrace.trace(lx.MatrixLinearOperator(m), estimator=est, key=jr.key(6))
+        lambda m: cnftrace.trace(
+            lx.MatrixLinearOperator(m), estimator=est, key=jr.key(6)
+        )
     )(m)
     probes = est.draw(jr.key(6), (4,), m.dtype)
     np.testing.assert_allclose(grad, jnp.einsum("ki,kj->ij", probes, probes) / 3)
@@ -136,12 +145,14 @@ def test_gradient_of_jacobian_operator_trace_wrt_network_parameters():
     params, static = eqx.partition(net, eqx.is_array)
 
     def grad_for_key(k):
-        return eqx.filter_grad(
-            lambda p: via_operator(eqx.combine(p, static), est, k)
-        )(params)
+        return eqx.filter_grad(lambda p: via_operator(eqx.combine(p, static), est, k))(
+            params
+        )
 
     grads = jax.vmap(grad_for_key)(jr.split(jr.key(10), 4000))
-    for g, ref in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(g_ref)):
+    for g, ref in zip(
+        jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(g_ref)
+    ):
         mean = jnp.mean(g, axis=0)
         se = jnp.std(g, axis=0) / math.sqrt(g.shape[0])
         assert jnp.all(jnp.abs(mean - ref) <= 4.5 * se + 1e-9)

@@ -28,7 +28,12 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     before = cnftrace.evaluate_nll(flow, test)
     opt = optax.adam(1e-2)
     trained, hist = cnftrace.fit(
-        flow, data, key=jr.key(1), steps=60, batch_size=128, optimizer=opt,
+        flow,
+        data,
+        key=jr.key(1),
+        steps=60,
+        batch_size=128,
+        optimizer=opt,
         progress=False,
     )
     after = cnftrace.evaluate_nll(trained, test)
@@ -36,12 +41,15 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     assert len(hist["loss"]) == 60 and all(np.isfinite(hist["loss"]))
     assert all(n > 0 for n in hist["nfe"])
     # The caller's flow is untouched (the step donates only copies).
-    np.testing.assert_array_equal(
-        cnftrace.evaluate_nll(flow, test).mean, before.mean
-    )
+    np.testing.assert_array_equal(cnftrace.evaluate_nll(flow, test).mean, before.mean)
     # The same key gives the same run.
     again, hist2 = cnftrace.fit(
-        flow, data, key=jr.key(1), steps=60, batch_size=128, optimizer=opt,
+        flow,
+        data,
+        key=jr.key(1),
+        steps=60,
+        batch_size=128,
+        optimizer=opt,
         progress=False,
     )
     assert hist2["loss"] == hist["loss"]
@@ -81,11 +89,11 @@ def test_evaluate_nll_matches_log_prob_and_closed_form():
     nll = cnftrace.evaluate_nll(flow, x, batch_size=500)
     lp = flow.log_prob(x)
     np.testing.assert_allclose(nll.mean, -jnp.mean(lp), rtol=1e-12)
-    np.testing.assert_allclose(nll.stderr, jnp.std(lp, ddof=1) / np.sqrt(1234), rtol=1e-10)
-    z = x @ jax.scipy.linalg.expm(a).T
-    ref = -jnp.mean(
-        jnp.sum(jax.scipy.stats.norm.logpdf(z), axis=-1) + jnp.trace(a)
+    np.testing.assert_allclose(
+        nll.stderr, jnp.std(lp, ddof=1) / np.sqrt(1234), rtol=1e-10
     )
+    z = x @ jax.scipy.linalg.expm(a).T
+    ref = -jnp.mean(jnp.sum(jax.scipy.stats.norm.logpdf(z), axis=-1) + jnp.trace(a))
     np.testing.assert_allclose(nll.mean, ref, rtol=1e-8)
     assert nll.nfe > 0
     with pytest.raises(ValueError, match="at least 2"):

@@ -1,0 +1,49 @@
+"""Trains a tiny flow with checkpoints; used by test_checkpoint.py as a real process
+that is killed with SIGKILL and resumed.
+
+    python train_for_resume.py RUN_DIR LOG_FILE [STEPS]
+"""
+
+import json
+import sys
+
+import jax.random as jr
+import optax
+
+import cnftrace
+
+
+def main():
+    run_dir, log_file = sys.argv[1], sys.argv[2]
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+    field = cnftrace.ConcatSquashMLP(2, width=8, depth=1, key=jr.key(0))
+    flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-4, atol=1e-4)
+
+    def data(key, n):
+        return 0.5 * jr.normal(key, (n, 2)) + 1.0
+
+    with open(log_file, "a") as log:
+
+        def on_log(record):
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+        _, history = cnftrace.fit(
+            flow,
+            data,
+            key=jr.key(1),
+            steps=steps,
+            batch_size=64,
+            optimizer=optax.adam(1e-2),
+            progress=False,
+            checkpoint_dir=run_dir,
+            checkpoint_every=5,
+            keep=2,
+            config={"lr": 1e-2, "model": "tiny"},
+            on_log=on_log,
+        )
+    print(json.dumps(history["loss"]))
+
+
+if __name__ == "__main__":
+    main()
