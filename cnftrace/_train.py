@@ -77,6 +77,22 @@ def _solver_settings(flow: AbstractFlow) -> str:
     return "; ".join(sorted(parts)) or "see the flow's blocks"
 
 
+def checkpoint_config(
+    flow: AbstractFlow,
+    batch_size: int,
+    estimator: AbstractEstimator,
+    config: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The config `fit` stores in (and checks against) its checkpoints: the user's
+    `config` plus what `fit` itself knows, under `fit.`-prefixed keys."""
+    return {
+        **(config or {}),
+        "fit.batch_size": batch_size,
+        "fit.estimator": repr(estimator),
+        "fit.event_shape": list(flow.event_shape),
+    }
+
+
 def fit(
     flow: AbstractFlow,
     data: DataSource,
@@ -94,6 +110,10 @@ def fit(
     config: dict[str, Any] | None = None,
     max_failures: int = 10,
     on_log: Callable[[dict[str, Any]], None] | None = None,
+    validation: Float[Array, "n ..."] | None = None,
+    validate_every: int = 100,
+    patience: int | None = None,
+    validation_estimator: AbstractEstimator | None = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
     """Trains `flow` by maximum likelihood.
 
@@ -123,13 +143,21 @@ def fit(
     - `max_failures`: a step whose loss or gradient is not finite is skipped (the
         model and optimiser state stay as they were) and counted; after this many
         consecutive skipped steps training stops with a `TrainingError`.
+        The failure count is checked whenever a record is logged.
     - `on_log`: called with each history record (a dict) as it is logged.
+    - `validation`: held-out samples. Every `validate_every` steps (and at the end)
+        their NLL is computed with the **exact** trace (or `validation_estimator`,
+        whose noise is then part of the reported standard error), and the parameters
+        with the best validation NLL are the ones returned.
+    - `patience`: stop early after this many validations without improvement.
 
     **Returns:**
 
-    `(trained_flow, history)`, the history a dict of lists: `step`, `loss` (the
-    training NLL estimate), `nfe` (forward NFE per step, all blocks), `seconds`,
-    `skipped` (non-finite steps skipped so far).
+    `(trained_flow, history)`: the flow with the best validation NLL (the last one
+    without `validation`), and a dict of lists: `step`, `loss` (the training NLL
+    estimate), `nfe` (forward NFE per step, all blocks), `seconds`, `skipped`
+    (non-finite steps skipped so far); with `validation` also `val_step`, `val_nll`,
+    `val_stderr`.
     """
     for name, value, low in (
         ("steps", steps, 1),
@@ -138,6 +166,8 @@ def fit(
         ("checkpoint_every", checkpoint_every, 1),
         ("keep", keep, 1),
         ("max_failures", max_failures, 1),
+        ("validate_every", validate_every, 1),
+        ("patience", 1 if patience is None else patience, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
@@ -148,27 +178,29 @@ def fit(
     # The step donates its buffers; copy so the caller's flow stays usable.
     params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = optimizer.init(params)
-    run_config = {
-        "batch_size": batch_size,
-        "estimator": repr(estimator),
-        "event_shape": list(flow.event_shape),
-        **(config or {}),
-    }
-    history: dict[str, list[Any]] = {
-        "step": [],
-        "loss": [],
-        "nfe": [],
-        "seconds": [],
-        "skipped": [],
-    }
+    run_config = checkpoint_config(flow, batch_size, estimator, config)
+    names = ("step", "loss", "nfe", "seconds", "skipped")
+    names += ("val_step", "val_nll", "val_stderr")
+    history: dict[str, list[Any]] = {name: [] for name in names}
+    # A separate copy: `params` is donated to each step.
+    best_params = jax.tree_util.tree_map(jnp.copy, params)
     first_step = 0
     if checkpoint_dir is not None:
-        like = (params, opt_state, key_to_data(key))
+        like = (params, opt_state, key_to_data(key), best_params)
         found = latest_good_checkpoint(checkpoint_dir, like, run_config)
         if found is not None:
-            first_step, (params, opt_state, _) = found
+            first_step, (params, opt_state, _, best_params) = found
             header, _ = read_header(checkpoint_path(checkpoint_dir, first_step))
             history = header["history"]
+
+    if validation is not None:
+        validation = jnp.asarray(validation)
+        val_estimator = (
+            Exact() if validation_estimator is None else validation_estimator
+        )
+        # Validation keys (used only by stochastic validation estimators) are kept
+        # apart from the training keys `fold_in(key, step)`.
+        val_key = jr.fold_in(key, 2**31 - 1)
 
     def loss_fn(params, batch, key):
         model = eqx.combine(params, static).with_estimator(estimator)
@@ -185,20 +217,26 @@ def fit(
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
         ok = jnp.isfinite(loss) & _all_finite(grads)
-        keep_new = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        keep_new = lambda new, old: jnp.where(ok, new, old)
         params = jax.tree_util.tree_map(keep_new, new_params, params)
         opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, opt_state)
         failures = jnp.where(ok, 0, failures + 1)
         return params, opt_state, loss, nfe, failures, ~ok
 
     def save(done):
-        state = (params, opt_state, key_to_data(key))
+        best = best_params if validation is not None else params
+        state = (params, opt_state, key_to_data(key), best)
         save_checkpoint(
             checkpoint_dir, done, state, run_config, keep=keep, history=history
         )
 
+    def validations_since_best() -> int:
+        nll = history["val_nll"]
+        return len(nll) - 1 - int(np.argmin(nll)) if nll else 0
+
     skipped = history["skipped"][-1] if history["skipped"] else 0
-    failures = jnp.asarray(0)
+    failures = jnp.zeros((), jnp.int32)
+    skipped_now = jnp.zeros((), jnp.int32)
     start = time.perf_counter() - (history["seconds"][-1] if history["seconds"] else 0)
     bar = tqdm(
         range(first_step, steps),
@@ -209,47 +247,80 @@ def fit(
         unit="it",
     )
     for i in bar:
+        done = i + 1
+        log_now = done % log_every == 0 or done == steps
+        checkpoint_now = checkpoint_dir is not None and (
+            done % checkpoint_every == 0 or done == steps
+        )
+        validate_now = validation is not None and (
+            done % validate_every == 0 or done == steps
+        )
         try:
             params, opt_state, loss, nfe, failures, bad = step(
                 jnp.asarray(i), params, opt_state, failures
             )
-            skipped += int(bad)
+            skipped_now = skipped_now + bad
+            # Host syncs only where something is logged, saved or validated.
+            if log_now or checkpoint_now or validate_now:
+                skipped += int(skipped_now)
+                skipped_now = jnp.asarray(0)
+                record = {
+                    "step": done,
+                    "loss": float(loss),
+                    "nfe": int(nfe),
+                    "seconds": time.perf_counter() - start,
+                    "skipped": skipped,
+                }
         except Exception as e:  # the solver's max_steps check, raised at run time
             if "maximum number of solver steps" not in str(e):
                 raise
             raise TrainingError(
-                f"the ODE solver reached its step limit at training step {i + 1} "
+                f"the ODE solver reached its step limit near training step {done} "
                 f"({_solver_settings(flow)}): the dynamics have become too stiff for "
                 "the tolerance. Raise `max_steps`, loosen `rtol`/`atol`, lower the "
                 "learning rate, or regularise the dynamics; the last checkpoint is "
                 "intact."
             ) from e
+        if not (log_now or checkpoint_now or validate_now):
+            continue
         if int(failures) >= max_failures:
             raise TrainingError(
                 f"{int(failures)} consecutive training steps gave a non-finite loss "
-                f"or gradient (up to step {i + 1}); stopping. The model was not "
+                f"or gradient (up to step {done}); stopping. The model was not "
                 "updated by those steps and the last checkpoint is intact. Lower the "
                 "learning rate, clip gradients, or tighten the solver tolerance."
             )
-        done = i + 1
-        if done % log_every == 0 or done == steps:
-            record = {
-                "step": done,
-                "loss": float(loss),
-                "nfe": int(nfe),
-                "seconds": time.perf_counter() - start,
-                "skipped": skipped,
-            }
+        if log_now:
             for name, value in record.items():
                 history[name].append(value)
+        if validate_now:
+            model = eqx.combine(params, static)
+            val = evaluate_nll(
+                model,
+                validation,
+                estimator=val_estimator,
+                key=jr.fold_in(val_key, done),
+            )
+            history["val_step"].append(done)
+            history["val_nll"].append(val.mean)
+            history["val_stderr"].append(val.stderr)
+            record = dict(record, val_nll=val.mean, val_stderr=val.stderr)
+            if validations_since_best() == 0:
+                best_params = jax.tree_util.tree_map(jnp.copy, params)
+        if log_now or validate_now:
             if on_log is not None:
                 on_log(record)
             if progress:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", nfe=record["nfe"])
-        if checkpoint_dir is not None and (
-            done % checkpoint_every == 0 or done == steps
-        ):
+        if checkpoint_now:
             save(done)
+        if patience is not None and validations_since_best() >= patience:
+            if checkpoint_dir is not None and not checkpoint_now:
+                save(done)
+            break
+    bar.close()
+    if validation is not None:
+        return eqx.combine(best_params, static), history
     return eqx.combine(params, static), history
 
 

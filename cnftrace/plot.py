@@ -92,3 +92,31 @@ def plot_flow_2d(
     _atomic_savefig(fig, path)
     plt.close(fig)
     return path
+
+
+def plot_training_curves(
+    records: list[dict], path: str, *, entropy: float | None = None
+) -> str:
+    """Saves training curves (loss and NFE against step) from metric records (dicts
+    with `step`, `loss`, `nfe`) as a PNG. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not records:
+        raise ValueError("`records` is empty: there is nothing to plot.")
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_nfe) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax_loss.plot(steps, [r["loss"] for r in records], lw=0.8, label="training NLL")
+    if entropy is not None:
+        ax_loss.axhline(entropy, color="k", ls="--", lw=0.8, label="true entropy")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("nats")
+    ax_loss.legend()
+    ax_nfe.plot(steps, [r["nfe"] for r in records], lw=0.8)
+    ax_nfe.set_xlabel("step")
+    ax_nfe.set_ylabel("NFE per forward solve")
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return path

@@ -169,8 +169,8 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path):
     for _, path in list_checkpoints(str(tmp_path)):
         params, static = eqx.partition(flow, eqx.is_inexact_array)
         opt_state = optax.adam(1e-3).init(params)
-        like = (params, opt_state, jax.random.key_data(jr.key(1)))
-        _, (p, _, _) = load_checkpoint(path, like)
+        like = (params, opt_state, jax.random.key_data(jr.key(1)), params)
+        _, (p, _, _, _) = load_checkpoint(path, like)
         for a, b in zip(
             jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(params)
         ):

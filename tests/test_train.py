@@ -57,6 +57,31 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     assert isinstance(trained.estimator, cnftrace.Exact)
 
 
+def test_validation_returns_the_best_model_and_stops_early():
+    # Train towards N(3, 0.5^2) but validate on N(0, 1), which the initial flow (near
+    # the identity) already fits well: the validation NLL can only get worse.
+    data = lambda k, n: 3.0 + 0.5 * jr.normal(k, (n, 2))  # noqa: E731
+    val = jr.normal(jr.key(20), (300, 2))
+    flow = _flow(jr.key(21))
+    trained, hist = cnftrace.fit(
+        flow,
+        data,
+        key=jr.key(22),
+        steps=40,
+        batch_size=32,
+        optimizer=optax.adam(3e-2),
+        progress=False,
+        validation=val,
+        validate_every=2,
+        patience=2,
+    )
+    nll = hist["val_nll"]
+    assert hist["val_step"] == [2, 4, 6]  # stopped after 2 validations without gain
+    assert nll[1] > nll[0] and nll[2] > nll[0]
+    # The returned flow is the best one (step 2), not the last one.
+    np.testing.assert_allclose(cnftrace.evaluate_nll(trained, val).mean, nll[0])
+
+
 def test_fit_from_array():
     x = jr.normal(jr.key(2), (300, 2)) * 0.5
     trained, hist = cnftrace.fit(

@@ -1,0 +1,318 @@
+"""The `cnftrace` command line: train, eval, sample, plot, datasets.
+
+Each training run lives in its own directory:
+
+    RUN_DIR/config.json       the settings (the model is rebuilt from them)
+    RUN_DIR/metrics.jsonl     one JSON record per logged step
+    RUN_DIR/checkpoints/      the newest checkpoints (model, optimiser, step, key)
+    RUN_DIR/plots/            pictures written by `cnftrace plot` (and after training)
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+
+from ._checkpoint import CheckpointError, _atomic_write, latest_good_checkpoint
+from ._estimators import Exact, Hutchinson
+from ._flow import CNF, AbstractFlow, Chain
+from ._nets import ConcatSquashMLP
+from ._train import checkpoint_config, evaluate_nll, fit
+from .datasets import TOY_DATASETS, toy_entropy, toy_entropy_is_exact, toy_sample
+
+_SOLVERS = {
+    "tsit5": diffrax.Tsit5,
+    "dopri5": diffrax.Dopri5,
+    "dopri8": diffrax.Dopri8,
+    "bosh3": diffrax.Bosh3,
+}
+_ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.elu}
+# Settings that define the model and the optimisation; a checkpoint written under other
+# values of these is refused on resume.
+_MODEL_KEYS = (
+    "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
+    "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
+)  # fmt: skip
+
+
+def build_flow(config: dict, key) -> AbstractFlow:
+    """The flow described by a run's config (2-D toy data)."""
+    activation = _ACTIVATIONS[config["activation"]]
+    keys = jr.split(key, config["blocks"])
+    blocks = [
+        CNF(
+            ConcatSquashMLP(2, config["width"], config["depth"], activation, key=k),
+            2,
+            t1=config["t1"],
+            solver=_SOLVERS[config["solver"]](),
+            rtol=config["rtol"],
+            atol=config["atol"],
+        )
+        for k in keys
+    ]
+    return blocks[0] if len(blocks) == 1 else Chain(blocks)
+
+
+def build_optimizer(config: dict) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config["lr"],
+        warmup_steps=min(50, max(1, config["steps"] // 4)),
+        decay_steps=max(config["steps"], 2),
+        end_value=config["lr"] / 20,
+    )
+    return optax.chain(optax.clip_by_global_norm(config["clip"]), optax.adam(schedule))
+
+
+def _train_estimator(config: dict):
+    if config["estimator"] == "exact":
+        return Exact()
+    return Hutchinson(config["num_probes"], config["estimator"])
+
+
+def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int]:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"error: {run_dir} is not a cnftrace run directory (no config.json). "
+            "Create one with `cnftrace train --run-dir DIR`."
+        )
+    with open(path) as f:
+        config = json.load(f)
+    flow = build_flow(config, jr.key(config["seed"]))
+    params, static = eqx.partition(flow, eqx.is_inexact_array)
+    opt_state = build_optimizer(config).init(params)
+    like = (params, opt_state, jax.random.key_data(jr.key(config["seed"])), params)
+    found = latest_good_checkpoint(
+        os.path.join(run_dir, "checkpoints"),
+        like,
+        checkpoint_config(
+            flow,
+            config["batch_size"],
+            _train_estimator(config),
+            {k: config[k] for k in _MODEL_KEYS},
+        ),
+        warn=lambda m: print(f"warning: {m}", file=sys.stderr),
+    )
+    if found is None:
+        raise SystemExit(f"error: no usable checkpoint in {run_dir}/checkpoints.")
+    step, (_, _, _, best_params) = found  # the best (or, untracked, the last)
+    return config, eqx.combine(best_params, static), step
+
+
+def cmd_datasets(args) -> int:
+    print(f"{'name':<14}{'entropy (nats)':>16}  kind")
+    for name in TOY_DATASETS:
+        kind = "exact" if toy_entropy_is_exact(name) else "numerical estimate"
+        print(f"{name:<14}{toy_entropy(name):>16.4f}  {kind}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    config = {k: getattr(args, k) for k in _MODEL_KEYS}
+    os.makedirs(os.path.join(args.run_dir, "checkpoints"), exist_ok=True)
+    config_path = os.path.join(args.run_dir, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            old = json.load(f)
+        diffs = [k for k in _MODEL_KEYS if old.get(k) != config[k]]
+        if diffs:
+            raise SystemExit(
+                f"error: {args.run_dir} holds a run with other settings ("
+                + ", ".join(
+                    f"{k}: {old.get(k)!r} there, {config[k]!r} now" for k in diffs
+                )
+                + "). Use another --run-dir, or the same settings to resume."
+            )
+    _atomic_write(config_path, json.dumps(config, indent=2).encode())
+    key = jr.key(args.seed)
+    model_key, train_key = jr.split(key)
+    flow = build_flow(config, model_key)
+    tty = sys.stderr.isatty() and not args.no_progress
+    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
+    last = {"t": time.perf_counter(), "step": None}
+
+    with open(metrics_path, "a") as metrics:
+
+        def on_log(record):
+            now = time.perf_counter()
+            record = dict(record, step_seconds=now - last["t"])
+            last["t"] = now
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if not tty and record["step"] % args.print_every == 0:
+                print(
+                    f"step {record['step']:>7}/{args.steps}  loss {record['loss']:.4f}"
+                    f"  nfe {record['nfe']}  {record['seconds']:.1f}s",
+                    flush=True,
+                )
+
+        flow, history = fit(
+            flow,
+            lambda k, n: toy_sample(args.data, k, n),
+            key=train_key,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            optimizer=build_optimizer(config),
+            estimator=_train_estimator(config),
+            progress=tty,
+            checkpoint_dir=os.path.join(args.run_dir, "checkpoints"),
+            checkpoint_every=args.checkpoint_every,
+            config={k: config[k] for k in _MODEL_KEYS},
+            on_log=on_log,
+        )
+    print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    config, flow, step = _load_run(args.run_dir)
+    test = toy_sample(config["data"], jr.key(args.seed), args.n)
+    nll = evaluate_nll(flow, test)
+    entropy = toy_entropy(config["data"])
+    result = {
+        "step": step,
+        "data": config["data"],
+        "test_nll": nll.mean,
+        "stderr": nll.stderr,
+        "entropy": entropy,
+        "gap": nll.mean - entropy,
+        "nfe": nll.nfe,
+        "n": args.n,
+    }
+    print(
+        f"{config['data']} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
+        f"nats (exact trace, n={args.n}); entropy {entropy:.4f}; gap "
+        f"{nll.mean - entropy:.4f}; NFE {nll.nfe:.0f}"
+    )
+    _atomic_write(
+        os.path.join(args.run_dir, "eval.json"), json.dumps(result, indent=2).encode()
+    )
+    return 0
+
+
+def cmd_sample(args) -> int:
+    _, flow, _ = _load_run(args.run_dir)
+    x = np.asarray(flow.sample(jr.key(args.seed), args.n))
+    out = args.out or os.path.join(args.run_dir, "samples.npy")
+    tmp = out + ".tmp.npy"
+    np.save(tmp, x)
+    os.replace(tmp, out)
+    print(f"wrote {args.n} samples to {out}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plot import plot_flow_2d, plot_training_curves
+
+    config, flow, step = _load_run(args.run_dir)
+    plots = os.path.join(args.run_dir, "plots")
+    data = np.asarray(toy_sample(config["data"], jr.key(args.seed), 20_000))
+    samples = np.asarray(flow.sample(jr.key(args.seed + 1), 20_000))
+    paths = [
+        plot_flow_2d(
+            flow,
+            data,
+            samples,
+            os.path.join(plots, "density.png"),
+            title=f"{config['data']}, step {step}",
+        )
+    ]
+    metrics = os.path.join(args.run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        paths.append(
+            plot_training_curves(
+                records,
+                os.path.join(plots, "training.png"),
+                entropy=toy_entropy(config["data"]),
+            )
+        )
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cnftrace",
+        description="Train, evaluate and sample continuous normalizing flows.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a flow on a toy 2-D data set")
+    p.add_argument("--data", default="8gaussians", choices=TOY_DATASETS)
+    p.add_argument("--run-dir", required=True, help="directory of this run")
+    p.add_argument("--steps", type=int, default=1000, help="total optimiser steps")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--clip", type=float, default=10.0, help="gradient-norm clip")
+    p.add_argument("--blocks", type=int, default=1, help="number of CNF blocks")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=3, help="hidden layers per block")
+    p.add_argument("--activation", default="tanh", choices=sorted(_ACTIVATIONS))
+    p.add_argument("--t1", type=float, default=0.5, help="integration time")
+    p.add_argument("--solver", default="tsit5", choices=sorted(_SOLVERS))
+    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument(
+        "--estimator",
+        default="rademacher",
+        choices=["rademacher", "gaussian", "sphere", "exact"],
+        help="trace estimator in training (evaluation always uses the exact trace)",
+    )
+    p.add_argument("--num-probes", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--print-every", type=int, default=50, help="log lines (no tty)")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="exact-trace test NLL of a trained run")
+    p.add_argument("run_dir")
+    p.add_argument("--n", type=int, default=5000, help="test samples")
+    p.add_argument("--seed", type=int, default=12345, help="seed of the test set")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sample", help="draw samples from a trained run (.npy)")
+    p.add_argument("run_dir")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="output .npy file (default RUN_DIR/samples.npy)")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("plot", help="density, samples and training curves (PNG)")
+    p.add_argument("run_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("datasets", help="list the toy data sets and their entropies")
+    p.set_defaults(func=cmd_datasets)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    for name in ("steps", "batch_size", "n", "blocks", "width", "num_probes"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1.")
+    jnp.zeros(())
+    try:
+        return args.func(args)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

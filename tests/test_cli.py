@@ -1,0 +1,81 @@
+"""The command line, end to end on tiny settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cnftrace._cli import main
+
+TINY = ["--steps", "12", "--width", "8", "--depth", "1", "--batch-size", "64"]
+
+
+def test_train_eval_sample_plot(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert main(["train", "--run-dir", run, "--checkpoint-every", "5", *TINY]) == 0
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
+        "step_000000005.ckpt",
+        "step_000000010.ckpt",
+        "step_000000012.ckpt",
+    ]
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert {"loss", "nfe", "seconds", "step_seconds"} <= set(records[0])
+    with open(os.path.join(run, "config.json")) as f:
+        assert json.load(f)["width"] == 8
+
+    assert main(["eval", run, "--n", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "test NLL" in out and "entropy 2.83" in out
+    with open(os.path.join(run, "eval.json")) as f:
+        result = json.load(f)
+    assert result["step"] == 12 and result["n"] == 500
+    assert result["gap"] == pytest.approx(result["test_nll"] - result["entropy"])
+
+    assert main(["sample", run, "--n", "7"]) == 0
+    samples = np.load(os.path.join(run, "samples.npy"))
+    assert samples.shape == (7, 2) and np.all(np.isfinite(samples))
+
+    assert main(["plot", run]) == 0
+    assert sorted(os.listdir(os.path.join(run, "plots"))) == [
+        "density.png",
+        "training.png",
+    ]
+
+    # Other settings in the same run directory are refused, by name.
+    with pytest.raises(SystemExit, match="width: 8 there, 16 now"):
+        main(["train", "--run-dir", run, *TINY[:2], "--width", "16", *TINY[4:]])
+
+
+def test_datasets_lists_all_eight(capsys):
+    assert main(["datasets"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 9
+    assert any(line.startswith("checkerboard") and "3.4657" in line for line in lines)
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(SystemExit, match="not a cnftrace run directory"):
+        main(["eval", str(tmp_path)])
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        main(["train", "--run-dir", "x", "--data", "nonsense"])
+    with pytest.raises(SystemExit, match="--steps must be at least 1"):
+        main(["train", "--run-dir", "x", "--steps", "0"])
+
+
+def test_help_from_the_installed_entry_point():
+    out = subprocess.run(
+        [sys.executable, "-m", "cnftrace", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for command in ["train", "eval", "sample", "plot", "datasets"]:
+        assert command in out
