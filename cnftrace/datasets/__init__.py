@@ -1,0 +1,35 @@
+"""Data sets: FFJORD's eight toy 2-D distributions, scikit-learn's bundled data."""
+
+from ._real import (
+    DIGIT_LEVELS as DIGIT_LEVELS,
+    TABULAR_DATASETS as TABULAR_DATASETS,
+    Splits as Splits,
+    bits_per_dim as bits_per_dim,
+    dequantize as dequantize,
+    load_digits as load_digits,
+    load_tabular as load_tabular,
+    logit_transform as logit_transform,
+)
+from ._toy import (
+    TOY_DATASETS as TOY_DATASETS,
+    toy_entropy as toy_entropy,
+    toy_entropy_is_exact as toy_entropy_is_exact,
+    toy_log_prob as toy_log_prob,
+    toy_sample as toy_sample,
+)
+
+__all__ = [
+    "DIGIT_LEVELS",
+    "TABULAR_DATASETS",
+    "TOY_DATASETS",
+    "Splits",
+    "bits_per_dim",
+    "dequantize",
+    "load_digits",
+    "load_tabular",
+    "logit_transform",
+    "toy_entropy",
+    "toy_entropy_is_exact",
+    "toy_log_prob",
+    "toy_sample",
+]
