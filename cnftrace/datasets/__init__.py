@@ -1,5 +1,10 @@
 """Data sets: FFJORD's eight toy 2-D distributions, scikit-learn's bundled data."""
 
+from ._mnist import (
+    load_mnist_idx as load_mnist_idx,
+    read_idx as read_idx,
+    write_idx as write_idx,
+)
 from ._real import (
     DIGIT_LEVELS as DIGIT_LEVELS,
     TABULAR_DATASETS as TABULAR_DATASETS,
@@ -17,19 +22,30 @@ from ._toy import (
     toy_log_prob as toy_log_prob,
     toy_sample as toy_sample,
 )
+from ._uci import (
+    UCI_DATASETS as UCI_DATASETS,
+    UCI_DIMS as UCI_DIMS,
+    load_uci as load_uci,
+)
 
 __all__ = [
     "DIGIT_LEVELS",
     "TABULAR_DATASETS",
     "TOY_DATASETS",
+    "UCI_DATASETS",
+    "UCI_DIMS",
     "Splits",
     "bits_per_dim",
     "dequantize",
     "load_digits",
+    "load_mnist_idx",
     "load_tabular",
+    "load_uci",
     "logit_transform",
+    "read_idx",
     "toy_entropy",
     "toy_entropy_is_exact",
     "toy_log_prob",
     "toy_sample",
+    "write_idx",
 ]

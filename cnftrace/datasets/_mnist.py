@@ -1,0 +1,162 @@
+"""MNIST from the four standard IDX files, read in their real binary format.
+
+An IDX file is a big-endian header, then the data in C order:
+
+- 2 zero bytes, a type code (`0x08` = unsigned byte, the only one MNIST uses) and
+  the number of dimensions `ndim`: as one big-endian uint32 this is the magic
+  number, 2051 (`0x00000803`) for images `(n, rows, cols)` and 2049
+  (`0x00000801`) for labels `(n,)`;
+- `ndim` big-endian uint32 sizes;
+- `prod(sizes)` data bytes, nothing after them.
+
+Each file may be gzipped (`name.gz`); the uncompressed one wins if both exist.
+Nothing is downloaded.
+"""
+
+import gzip
+import os
+
+import numpy as np
+
+IMAGES_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions
+LABELS_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension
+_UBYTE = 0x08
+
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+_SOURCE = (
+    "Get the four MNIST files (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+    "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, gzipped or not) from "
+    "http://yann.lecun.com/exdb/mnist/ or its mirror "
+    "https://ossci-datasets.s3.amazonaws.com/mnist/ (the one torchvision uses) and "
+    "put them directly in `root`."
+)
+
+
+def _find(root, name: str) -> str:
+    root = os.fspath(root)
+    plain = os.path.join(root, name)
+    for path in (plain, plain + ".gz"):
+        if os.path.isfile(path):
+            return path
+    where = (
+        f"expected {plain!r} or {plain + '.gz'!r}"
+        if os.path.isdir(root)
+        else f"the directory {root!r} does not exist"
+    )
+    raise FileNotFoundError(f"MNIST file not found: {where}. {_SOURCE}")
+
+
+def _read_bytes(path: str) -> bytes:
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path!r} is not a readable (gzip) file: {e}") from e
+
+
+def read_idx(path, magic: int | None = None) -> np.ndarray:
+    """Read one unsigned-byte IDX file (optionally gzipped) into a uint8 array.
+
+    Args:
+        path: the file; read as gzip when its name ends in `.gz`.
+        magic: the magic number the file must have (2051 for MNIST images, 2049
+            for labels); `None` accepts any unsigned-byte IDX file.
+
+    Raises:
+        ValueError: wrong magic number, a type other than unsigned byte, or a
+            truncated file (or one with bytes after the data).
+    """
+    path = os.fspath(path)
+    raw = _read_bytes(path)
+    if len(raw) < 4:
+        raise ValueError(f"{path!r} is truncated: {len(raw)} bytes, no IDX header.")
+    found = int.from_bytes(raw[:4], "big")
+    if magic is not None and found != magic:
+        raise ValueError(
+            f"{path!r} has magic number {found} (0x{found:08x}); expected {magic} "
+            f"(0x{magic:08x}). Is it the right (and uncompressed or .gz) IDX file?"
+        )
+    if raw[0] != 0 or raw[1] != 0 or raw[2] != _UBYTE:
+        raise ValueError(
+            f"{path!r} has magic number 0x{found:08x}: not an unsigned-byte IDX file."
+        )
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(
+            f"{path!r} is truncated: {len(raw)} bytes, the header needs {header}."
+        )
+    shape = tuple(
+        int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)
+    )
+    n_data = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - header != n_data:
+        what = "truncated" if len(raw) - header < n_data else "longer than its header"
+        raise ValueError(
+            f"{path!r} is {what}: the header says shape {shape}, {n_data} data "
+            f"bytes, the file has {len(raw) - header}."
+        )
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape).copy()
+
+
+def write_idx(path, array) -> None:
+    """Write a uint8 array as an IDX file (gzipped when `path` ends in `.gz`).
+
+    The magic number is `0x0800 + ndim`: 2051 for `(n, rows, cols)` images, 2049
+    for `(n,)` labels. Used by the tests to make files in the real format.
+    """
+    array = np.asarray(array)
+    if array.dtype != np.uint8:
+        raise ValueError(f"write_idx writes uint8 arrays only, got {array.dtype}.")
+    if not 1 <= array.ndim <= 255:
+        raise ValueError(f"an IDX array needs 1 to 255 dimensions, got {array.ndim}.")
+    header = bytes([0, 0, _UBYTE, array.ndim]) + b"".join(
+        int(s).to_bytes(4, "big") for s in array.shape
+    )
+    payload = header + np.ascontiguousarray(array).tobytes()
+    path = os.fspath(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(payload)
+
+
+def _load_pair(root, images_name: str, labels_name: str):
+    images_path = _find(root, images_name)
+    labels_path = _find(root, labels_name)
+    images = read_idx(images_path, IMAGES_MAGIC)
+    labels = read_idx(labels_path, LABELS_MAGIC)
+    if images.ndim != 3 or labels.ndim != 1:  # magic fixes ndim; kept for safety
+        raise ValueError(f"unexpected shapes {images.shape} and {labels.shape}.")
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"{images_path!r} holds {images.shape[0]} images but {labels_path!r} "
+            f"{labels.shape[0]} labels."
+        )
+    return images, labels
+
+
+def load_mnist_idx(
+    root,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Read MNIST's four IDX files from `root` (each optionally `.gz`).
+
+    Returns:
+        `(train_images, train_labels, test_images, test_labels)`: uint8 arrays,
+        images of shape `(n, rows, cols)` as the headers say (`(60000, 28, 28)`
+        and `(10000, 28, 28)` for MNIST), labels of shape `(n,)`.
+
+    Raises:
+        FileNotFoundError: a file is missing (the message says where to get it).
+        ValueError: a wrong magic number, a truncated file, or a count mismatch
+            between images and labels.
+    """
+    train_images, train_labels = _load_pair(root, *MNIST_FILES[:2])
+    test_images, test_labels = _load_pair(root, *MNIST_FILES[2:])
+    return train_images, train_labels, test_images, test_labels
