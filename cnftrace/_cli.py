@@ -23,11 +23,18 @@ import numpy as np
 import optax
 
 from ._checkpoint import CheckpointError, _atomic_write, latest_good_checkpoint
+from ._cli_data import (
+    ALL_DATASETS,
+    DataSource,
+    digits_from_logit,
+    get_source,
+    score_report,
+)
 from ._estimators import Exact, Hutchinson
 from ._flow import CNF, AbstractFlow, Chain
 from ._nets import ConcatSquashMLP
 from ._train import checkpoint_config, evaluate_nll, fit
-from .datasets import TOY_DATASETS, toy_entropy, toy_entropy_is_exact, toy_sample
+from .datasets import TOY_DATASETS, toy_entropy, toy_entropy_is_exact
 
 _SOLVERS = {
     "tsit5": diffrax.Tsit5,
@@ -44,14 +51,14 @@ _MODEL_KEYS = (
 )  # fmt: skip
 
 
-def build_flow(config: dict, key) -> AbstractFlow:
-    """The flow described by a run's config (2-D toy data)."""
+def build_flow(config: dict, key, dim: int) -> AbstractFlow:
+    """The flow described by a run's config, for data of dimension `dim`."""
     activation = _ACTIVATIONS[config["activation"]]
     keys = jr.split(key, config["blocks"])
     blocks = [
         CNF(
-            ConcatSquashMLP(2, config["width"], config["depth"], activation, key=k),
-            2,
+            ConcatSquashMLP(dim, config["width"], config["depth"], activation, key=k),
+            dim,
             t1=config["t1"],
             solver=_SOLVERS[config["solver"]](),
             rtol=config["rtol"],
@@ -79,7 +86,7 @@ def _train_estimator(config: dict):
     return Hutchinson(config["num_probes"], config["estimator"])
 
 
-def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int]:
+def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise SystemExit(
@@ -88,7 +95,8 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int]:
         )
     with open(path) as f:
         config = json.load(f)
-    flow = build_flow(config, jr.key(config["seed"]))
+    source = get_source(config["data"])
+    flow = build_flow(config, jr.key(config["seed"]), source.dim)
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     opt_state = build_optimizer(config).init(params)
     like = (params, opt_state, jax.random.key_data(jr.key(config["seed"])), params)
@@ -106,7 +114,7 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int]:
     if found is None:
         raise SystemExit(f"error: no usable checkpoint in {run_dir}/checkpoints.")
     step, (_, _, _, best_params) = found  # the best (or, untracked, the last)
-    return config, eqx.combine(best_params, static), step
+    return config, eqx.combine(best_params, static), step, source
 
 
 def cmd_datasets(args) -> int:
@@ -136,7 +144,8 @@ def cmd_train(args) -> int:
     _atomic_write(config_path, json.dumps(config, indent=2).encode())
     key = jr.key(args.seed)
     model_key, train_key = jr.split(key)
-    flow = build_flow(config, model_key)
+    source = get_source(args.data)
+    flow = build_flow(config, model_key, source.dim)
     tty = sys.stderr.isatty() and not args.no_progress
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     last = {"t": time.perf_counter(), "step": None}
@@ -158,7 +167,7 @@ def cmd_train(args) -> int:
 
         flow, history = fit(
             flow,
-            lambda k, n: toy_sample(args.data, k, n),
+            source.train,
             key=train_key,
             steps=args.steps,
             batch_size=args.batch_size,
@@ -169,31 +178,41 @@ def cmd_train(args) -> int:
             checkpoint_every=args.checkpoint_every,
             config={k: config[k] for k in _MODEL_KEYS},
             on_log=on_log,
+            validation=source.validation,
+            validate_every=args.checkpoint_every,
         )
     print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    config, flow, step = _load_run(args.run_dir)
-    test = toy_sample(config["data"], jr.key(args.seed), args.n)
+    config, flow, step, source = _load_run(args.run_dir)
+    test = source.test(args.seed, args.n)
     nll = evaluate_nll(flow, test)
-    entropy = toy_entropy(config["data"])
     result = {
         "step": step,
         "data": config["data"],
         "test_nll": nll.mean,
         "stderr": nll.stderr,
-        "entropy": entropy,
-        "gap": nll.mean - entropy,
         "nfe": nll.nfe,
-        "n": args.n,
+        "n": int(test.shape[0]),
+        **score_report(source, nll.mean, args.seed, args.n),
     }
-    print(
+    line = (
         f"{config['data']} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
-        f"nats (exact trace, n={args.n}); entropy {entropy:.4f}; gap "
-        f"{nll.mean - entropy:.4f}; NFE {nll.nfe:.0f}"
+        f"nats (exact trace, n={result['n']})"
     )
+    if "entropy" in result:
+        result["gap"] = nll.mean - result["entropy"]
+        line += f"; entropy {result['entropy']:.4f}; gap {result['gap']:.4f}"
+    if "gaussian_baseline_nll" in result:
+        line += f"; full-covariance Gaussian {result['gaussian_baseline_nll']:.4f}"
+    if "bits_per_dim" in result:
+        line += (
+            f"; {result['bits_per_dim']:.4f} bits/dim (Gaussian baseline "
+            f"{result['gaussian_baseline_bits_per_dim']:.4f})"
+        )
+    print(line + f"; NFE {nll.nfe:.0f}")
     _atomic_write(
         os.path.join(args.run_dir, "eval.json"), json.dumps(result, indent=2).encode()
     )
@@ -201,41 +220,53 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    _, flow, _ = _load_run(args.run_dir)
+    _, flow, _, source = _load_run(args.run_dir)
     x = np.asarray(flow.sample(jr.key(args.seed), args.n))
+    if source.kind == "images":
+        x = digits_from_logit(x).reshape(args.n, 8, 8)  # pixel intensities in [0, 1]
     out = args.out or os.path.join(args.run_dir, "samples.npy")
     tmp = out + ".tmp.npy"
     np.save(tmp, x)
     os.replace(tmp, out)
-    print(f"wrote {args.n} samples to {out}")
+    print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot_flow_2d, plot_training_curves
+    from .plot import plot_flow_2d, plot_image_grid, plot_training_curves
 
-    config, flow, step = _load_run(args.run_dir)
+    config, flow, step, source = _load_run(args.run_dir)
     plots = os.path.join(args.run_dir, "plots")
-    data = np.asarray(toy_sample(config["data"], jr.key(args.seed), 20_000))
-    samples = np.asarray(flow.sample(jr.key(args.seed + 1), 20_000))
-    paths = [
-        plot_flow_2d(
-            flow,
-            data,
-            samples,
-            os.path.join(plots, "density.png"),
-            title=f"{config['data']}, step {step}",
+    paths = []
+    if source.kind == "toy":
+        data = source.test(args.seed, 20_000)
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 20_000))
+        paths.append(
+            plot_flow_2d(
+                flow,
+                data,
+                samples,
+                os.path.join(plots, "density.png"),
+                title=f"{config['data']}, step {step}",
+            )
         )
-    ]
+    elif source.kind == "images":
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 64))
+        paths.append(
+            plot_image_grid(
+                digits_from_logit(samples).reshape(64, 8, 8),
+                os.path.join(plots, "samples.png"),
+                title=f"{config['data']} samples, step {step}",
+            )
+        )
     metrics = os.path.join(args.run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         with open(metrics) as f:
             records = [json.loads(line) for line in f if line.strip()]
+        entropy = toy_entropy(config["data"]) if source.kind == "toy" else None
         paths.append(
             plot_training_curves(
-                records,
-                os.path.join(plots, "training.png"),
-                entropy=toy_entropy(config["data"]),
+                records, os.path.join(plots, "training.png"), entropy=entropy
             )
         )
     for p in paths:
@@ -250,8 +281,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a flow on a toy 2-D data set")
-    p.add_argument("--data", default="8gaussians", choices=TOY_DATASETS)
+    p = sub.add_parser("train", help="train a flow (toy 2-D, tabular or digits)")
+    p.add_argument(
+        "--data",
+        default="8gaussians",
+        choices=ALL_DATASETS,
+        help="a toy 2-D set, a scikit-learn tabular set, or the 8x8 digits",
+    )
     p.add_argument("--run-dir", required=True, help="directory of this run")
     p.add_argument("--steps", type=int, default=1000, help="total optimiser steps")
     p.add_argument("--batch-size", type=int, default=512)

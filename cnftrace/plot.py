@@ -120,3 +120,30 @@ def plot_training_curves(
     _atomic_savefig(fig, path)
     plt.close(fig)
     return path
+
+
+def plot_image_grid(
+    images: np.ndarray, path: str, *, ncols: int = 8, title: str | None = None
+) -> str:
+    """Saves a grid of grey-scale images (shape `(n, h, w)`, values in `[0, 1]`) as a
+    PNG. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = np.asarray(images)
+    if images.ndim != 3:
+        raise ValueError(f"`images` must have shape (n, h, w); got {images.shape}.")
+    n = images.shape[0]
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * 0.9, nrows * 0.9))
+    for i, ax in enumerate(np.atleast_1d(axes).ravel()):
+        ax.axis("off")
+        if i < n:
+            ax.imshow(images[i], cmap="gray_r", vmin=0, vmax=1)
+    if title:
+        fig.suptitle(title)
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return path

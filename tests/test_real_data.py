@@ -79,3 +79,18 @@ def test_toy_log_prob_true_densities():
     assert jnp.all(jnp.isneginf(toy_log_prob("checkerboard", white)))
     with pytest.raises(ValueError, match="no closed form"):
         toy_log_prob("moons", jnp.zeros((2, 2)))
+
+
+def test_gaussian_baseline_matches_scipy():
+    from scipy.stats import multivariate_normal
+
+    from cnftrace._cli_data import gaussian_baseline_nll
+
+    rng = np.random.default_rng(3)
+    train = rng.normal(size=(500, 3)) @ np.array(
+        [[1, 0, 0], [0.5, 1, 0], [0, 0.3, 2.0]]
+    )
+    test = rng.normal(size=(100, 3))
+    mean, cov = train.mean(0), np.cov(train, rowvar=False, bias=True)
+    ref = -multivariate_normal(mean, cov + 1e-6 * np.eye(3)).logpdf(test).mean()
+    assert gaussian_baseline_nll(train, test) == pytest.approx(ref, rel=1e-10)
