@@ -289,8 +289,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="a toy 2-D set, a scikit-learn tabular set, or the 8x8 digits",
     )
     p.add_argument("--run-dir", required=True, help="directory of this run")
-    p.add_argument("--steps", type=int, default=1000, help="total optimiser steps")
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2400, help="total optimiser steps")
+    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--clip", type=float, default=10.0, help="gradient-norm clip")
     p.add_argument("--blocks", type=int, default=1, help="number of CNF blocks")
