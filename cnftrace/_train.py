@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
 from ._checkpoint import (
+    CheckpointError,
     checkpoint_path,
     key_to_data,
     latest_good_checkpoint,
@@ -189,7 +190,13 @@ def fit(
         like = (params, opt_state, key_to_data(key), best_params)
         found = latest_good_checkpoint(checkpoint_dir, like, run_config)
         if found is not None:
-            first_step, (params, opt_state, _, best_params) = found
+            first_step, (params, opt_state, saved_key, best_params) = found
+            if not np.array_equal(np.asarray(saved_key), np.asarray(key_to_data(key))):
+                raise CheckpointError(
+                    f"the checkpoints in {checkpoint_dir} were written by a run with "
+                    "another `key`; resuming with this key would not continue that "
+                    "run. Pass the same key, or use a new checkpoint directory."
+                )
             header, _ = read_header(checkpoint_path(checkpoint_dir, first_step))
             history = header["history"]
 

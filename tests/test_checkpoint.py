@@ -177,6 +177,16 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+def test_resume_with_another_key_is_refused(tmp_path):
+    field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
+    flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
+    data = lambda k, n: jr.normal(k, (n, 2))  # noqa: E731
+    kwargs = dict(steps=2, batch_size=8, progress=False, checkpoint_dir=str(tmp_path))
+    cnftrace.fit(flow, data, key=jr.key(1), **kwargs)
+    with pytest.raises(cnftrace.CheckpointError, match="another `key`"):
+        cnftrace.fit(flow, data, key=jr.key(2), **kwargs)
+
+
 def test_solver_step_limit_is_reported():
     field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
     flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-9, atol=1e-9, max_steps=2)
