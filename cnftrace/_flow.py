@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
@@ -78,7 +79,7 @@ def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, 
     """Checks `x` and returns it with a batch axis, and whether one was added."""
     if isinstance(x, (list, tuple)):
         x = jnp.asarray(x)
-    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    if not isinstance(x, (jax.Array, np.ndarray)):
         raise TypeError(f"`{name}` must be an array; got {type(x).__name__}.")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
