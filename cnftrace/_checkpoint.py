@@ -29,6 +29,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is unreadable, corrupted, or belongs to another configuration."""
 
 
+class _ConfigMismatch(CheckpointError):
+    """The checkpoint is sound but was written under another config: never skipped."""
+
+
 def _leaf_specs(tree) -> list[list]:
     leaves = jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
     return [[list(x.shape), str(x.dtype)] for x in leaves]
@@ -147,11 +151,16 @@ def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
     if `config` is given and differs from the saved config (naming each mismatch).
     Returns `(step, state)`.
     """
+    header, state = _load(path, like, config)
+    return header["step"], state
+
+
+def _load(path: str, like, config) -> tuple[dict, object]:
     header, payload = read_header(path)
     if config is not None:
         diffs = config_mismatch(header["config"], config)
         if diffs:
-            raise CheckpointError(
+            raise _ConfigMismatch(
                 f"{path} was written by a run with another configuration:\n  "
                 + "\n  ".join(diffs)
                 + "\nResume with the same settings, or start a new run directory."
@@ -161,21 +170,22 @@ def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
             f"{path} holds arrays of other shapes or dtypes than this model and "
             "optimiser (was it written for another architecture?)."
         )
-    state = eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
-    return header["step"], state
+    return header, eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
 
 
 def latest_good_checkpoint(directory: str, like, config=None, *, warn=print):
     """The newest checkpoint in `directory` that loads cleanly, skipping (and
     reporting) corrupted ones. A config mismatch is not skipped: it raises.
-    Returns `(step, state)` or `None` when there is no usable checkpoint."""
+    Returns `(step, state, header)` or `None` when there is no usable checkpoint."""
     for _, path in reversed(list_checkpoints(directory)):
         try:
-            return load_checkpoint(path, like, config)
+            header, state = _load(path, like, config)
+        except _ConfigMismatch:
+            raise
         except CheckpointError as e:
-            if "another configuration" in str(e):
-                raise
             warn(f"skipping checkpoint: {e}")
+            continue
+        return header["step"], state, header
     return None
 
 

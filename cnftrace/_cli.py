@@ -113,7 +113,7 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
     )
     if found is None:
         raise SystemExit(f"error: no usable checkpoint in {run_dir}/checkpoints.")
-    step, (_, _, _, best_params) = found  # the best (or, untracked, the last)
+    step, (_, _, _, best_params), _ = found  # the best (or, untracked, the last)
     return config, eqx.combine(best_params, static), step, source
 
 

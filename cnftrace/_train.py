@@ -16,10 +16,8 @@ from tqdm.auto import tqdm
 
 from ._checkpoint import (
     CheckpointError,
-    checkpoint_path,
     key_to_data,
     latest_good_checkpoint,
-    read_header,
     save_checkpoint,
 )
 from ._custom_types import Key
@@ -190,14 +188,13 @@ def fit(
         like = (params, opt_state, key_to_data(key), best_params)
         found = latest_good_checkpoint(checkpoint_dir, like, run_config)
         if found is not None:
-            first_step, (params, opt_state, saved_key, best_params) = found
+            first_step, (params, opt_state, saved_key, best_params), header = found
             if not np.array_equal(np.asarray(saved_key), np.asarray(key_to_data(key))):
                 raise CheckpointError(
                     f"the checkpoints in {checkpoint_dir} were written by a run with "
                     "another `key`; resuming with this key would not continue that "
                     "run. Pass the same key, or use a new checkpoint directory."
                 )
-            header, _ = read_header(checkpoint_path(checkpoint_dir, first_step))
             history = header["history"]
 
     if validation is not None:
@@ -331,6 +328,13 @@ def fit(
     return eqx.combine(params, static), history
 
 
+@eqx.filter_jit
+def log_prob_and_stats(model: AbstractFlow, x, key):
+    """`model.log_prob(x, key=key, return_stats=True)`, jitted once at module level so
+    that repeated evaluations (validation during `fit`) reuse the compiled code."""
+    return model.log_prob(x, key=key, return_stats=True)
+
+
 def evaluate_nll(
     flow: AbstractFlow,
     x: Float[Array, "n ..."],
@@ -351,17 +355,12 @@ def evaluate_nll(
         )
     estimator = Exact() if estimator is None else estimator
     model = flow.with_estimator(estimator)
-
-    @eqx.filter_jit
-    def logp(model, chunk, key):
-        return model.log_prob(chunk, key=key, return_stats=True)
-
     values, nfes = [], []
     n = x.shape[0]
     for i, start in enumerate(range(0, n, batch_size)):
         chunk = x[start : start + batch_size]
         k = None if key is None else jr.fold_in(key, i)
-        lp, stats = logp(model, chunk, k)
+        lp, stats = log_prob_and_stats(model, chunk, k)
         values.append(np.asarray(lp))
         nfes.append(float(stats.total_nfe))
     lp = np.concatenate(values)

@@ -3,12 +3,12 @@
 import os
 import tempfile
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
 from ._estimators import Exact
 from ._flow import AbstractFlow
+from ._train import log_prob_and_stats
 
 
 def density_grid(
@@ -28,10 +28,13 @@ def density_grid(
     xs = np.linspace(-lim, lim, resolution)
     grid = np.stack(np.meshgrid(xs, xs), axis=-1).reshape(-1, 2)
     model = flow.with_estimator(Exact())
-    logp = eqx.filter_jit(lambda m, x: m.log_prob(x))
     dtype = jnp.result_type(float)
     values = [
-        np.asarray(logp(model, jnp.asarray(grid[i : i + batch_size], dtype)))
+        np.asarray(
+            log_prob_and_stats(
+                model, jnp.asarray(grid[i : i + batch_size], dtype), None
+            )[0]
+        )
         for i in range(0, grid.shape[0], batch_size)
     ]
     return xs, xs, np.concatenate(values).reshape(resolution, resolution)

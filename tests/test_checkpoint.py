@@ -115,7 +115,7 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path, damage):
     warnings = []
     from cnftrace._checkpoint import latest_good_checkpoint
 
-    step, loaded = latest_good_checkpoint(d, like, {"a": 1}, warn=warnings.append)
+    step, loaded, _ = latest_good_checkpoint(d, like, {"a": 1}, warn=warnings.append)
     assert step == 10 and len(warnings) == 1 and "step_000000020" in warnings[0]
     np.testing.assert_array_equal(loaded[0]["w"], state[0]["w"])
 
