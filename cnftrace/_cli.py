@@ -161,7 +161,8 @@ def cmd_train(args) -> int:
             if not tty and record["step"] % args.print_every == 0:
                 print(
                     f"step {record['step']:>7}/{args.steps}  loss {record['loss']:.4f}"
-                    f"  nfe {record['nfe']}  {record['seconds']:.1f}s",
+                    f"  nfe {record['nfe']}/{record['nfe_backward']} (fwd/bwd)"
+                    f"  {record['seconds']:.1f}s",
                     flush=True,
                 )
 
@@ -284,6 +285,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a flow (toy 2-D, tabular or digits)")
     p.add_argument(
         "--data",
+        "--dataset",
+        dest="data",
         default="8gaussians",
         choices=ALL_DATASETS,
         help="a toy 2-D set, a scikit-learn tabular set, or the 8x8 digits",

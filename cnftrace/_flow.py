@@ -37,8 +37,10 @@ class SolveStats(eqx.Module):
     - `nfe`: evaluations of the vector field (for the whole batch at once). For
         explicit Runge--Kutta solvers this is counted exactly from the step count and
         the solver's stages: `stages` per step (one fewer for first-same-as-last
-        solvers, plus one initial evaluation) and two plain evaluations for the
-        automatic initial step; the tests check it against a count of real
+        solvers, plus the first evaluation) and one plain evaluation for the automatic
+        initial step (two for solvers that are not first-same-as-last, and with
+        `BacksolveAdjoint`, where also each rejection of the very first step costs an
+        uncounted evaluation); the tests check it against a count of real
         evaluations. It is `-1` for solvers whose cost per step is not known.
     """
 
@@ -146,12 +148,17 @@ class AbstractFlow(eqx.Module):
         inverse: bool,
         log_det: bool,
         key: Key | None,
+        counter: Float[Array, ""] | None = None,
     ) -> tuple[Array, Array | None, SolveStats]:
         """Maps a batch through the flow (data to base, or base to data if `inverse`).
 
         Returns `(y, log_det, stats)`, where `log_det` is `log|det dy/dx|` of the map
         that was applied (or `None` when `log_det=False`: then no divergence is
         computed at all, which is much cheaper).
+
+        `counter` (with `log_det=True`): a float scalar whose gradient counts the
+        backward evaluations of the blocks' vector fields (see
+        [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]).
         """
 
     # ------------------------------------------------------------------ public API
@@ -178,10 +185,17 @@ class AbstractFlow(eqx.Module):
         """
         x, unbatched = _validate_input(x, self.event_shape, "x")
         _need_key(key, self.estimators())
-        z, log_det, stats = self.transform(x, inverse=False, log_det=True, key=key)
-        out = _standard_normal_log_prob(z, len(self.event_shape)) + log_det
+        out, stats = self._batch_log_prob(x, key)
         out = out[0] if unbatched else out
         return (out, stats) if return_stats else out
+
+    def _batch_log_prob(self, x, key, counter=None) -> tuple[Array, SolveStats]:
+        """`log_prob` of a checked batch `x`, with the solver statistics; `counter`
+        as in [`transform`][cnftrace.AbstractFlow.transform]."""
+        z, log_det, stats = self.transform(
+            x, inverse=False, log_det=True, key=key, counter=counter
+        )
+        return _standard_normal_log_prob(z, len(self.event_shape)) + log_det, stats
 
     def sample(
         self,
@@ -409,19 +423,31 @@ class CNF(AbstractFlow):
             )
         return adjoint
 
-    def transform(self, x, *, inverse, log_det, key):
+    def transform(self, x, *, inverse, log_det, key, counter=None):
         event_ndim = len(self.shape)
         if log_det:
             term = CNFTerm(self.vector_field, self.estimator, event_ndim)
             y0 = term.initial_state(x)
-            args = term.make_args(x, key=key, args=self.args)
+            args = term.make_args(x, key=key, args=self.args, counter=counter)
         else:
             term = StateTerm(self.vector_field, event_ndim)
             y0 = x
             args = self.args
         t_start, t_end = (self.t1, self.t0) if inverse else (self.t0, self.t1)
+        adjoint = self._adjoint()
+        # For first-same-as-last solvers the first evaluation f(t_start, y0) is made
+        # here and handed to the solver as its state: the initial-step heuristic
+        # reuses it, and a rejected first step does not evaluate it again (diffrax
+        # would), so the evaluation count is exact. BacksolveAdjoint cannot
+        # differentiate a given solver state, so it keeps diffrax's own start.
+        solver_state = None
+        f0 = None
+        if self._shares_first_evaluation():
+            f0 = term.vf(t_start, y0, args)
+            solver_state = (jnp.asarray(False), f0)
         if self.dt0 is None:
-            dt0 = self._initial_step(t_start, t_end, x)
+            dz0 = None if f0 is None else (f0[0] if log_det else f0)
+            dt0 = self._initial_step(t_start, t_end, x, dz0)
         else:
             dt0 = -self.dt0 if inverse else self.dt0
         controller = diffrax.PIDController(
@@ -439,8 +465,9 @@ class CNF(AbstractFlow):
             dt0,
             y0,
             args=args,
+            solver_state=solver_state,
             stepsize_controller=controller,
-            adjoint=self._adjoint(),
+            adjoint=adjoint,
             max_steps=self.max_steps,
             saveat=diffrax.SaveAt(t1=True),
         )
@@ -453,9 +480,17 @@ class CNF(AbstractFlow):
             out, ld = sol.ys[0], None
         return out, ld, self._stats(sol)
 
-    def _initial_step(self, t_start, t_end, z0):
-        """Hairer, Norsett & Wanner's starting step (Solving ODEs I, II.4) from two
-        plain evaluations of the field on the batch, with the max-over-samples norm.
+    def _shares_first_evaluation(self) -> bool:
+        return (
+            isinstance(self.solver, diffrax.AbstractERK)
+            and self.solver.tableau.fsal
+            and not isinstance(self.adjoint, diffrax.BacksolveAdjoint)
+        )
+
+    def _initial_step(self, t_start, t_end, z0, f0=None):
+        """Hairer, Norsett & Wanner's starting step (Solving ODEs I, II.4) with the
+        max-over-samples norm, from `f0 = f(t_start, z0)` (evaluated here if not
+        given) and one more plain evaluation of the field.
 
         diffrax's own heuristic is skipped for wrapped terms (it then starts at 0.01),
         which costs CNF solves a few wasted steps. The step is not differentiated.
@@ -464,7 +499,9 @@ class CNF(AbstractFlow):
         field = StateTerm(self.vector_field, len(self.shape))
         direction = jnp.sign(t_end - t_start)
         scale = self.atol + self.rtol * jnp.abs(z0)
-        f0 = lax.stop_gradient(field.vf(t_start, z0, self.args))
+        if f0 is None:
+            f0 = field.vf(t_start, z0, self.args)
+        f0 = lax.stop_gradient(f0)
         d0 = max_rms_norm(z0 / scale)
         d1 = max_rms_norm(f0 / scale)
         h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
@@ -490,8 +527,11 @@ class CNF(AbstractFlow):
             nfe = jnp.asarray(-1)
         else:
             per_step, at_init = costs
-            initial_step = 2 if self.dt0 is None else 0
-            nfe = num_steps * per_step + at_init + initial_step
+            # Hairer's heuristic costs one plain evaluation beside f0 when f0 is
+            # shared with the solver, two otherwise.
+            if self.dt0 is None:
+                at_init += 1 if self._shares_first_evaluation() else 2
+            nfe = num_steps * per_step + at_init
         return SolveStats(
             num_steps=num_steps[None],
             num_accepted=accepted[None],
@@ -542,13 +582,15 @@ class Chain(AbstractFlow):
     def with_estimator(self, estimator):
         return Chain([b.with_estimator(estimator) for b in self.blocks])
 
-    def transform(self, x, *, inverse, log_det, key):
+    def transform(self, x, *, inverse, log_det, key, counter=None):
         blocks = self.blocks[::-1] if inverse else self.blocks
         keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
         total = jnp.zeros(x.shape[:1], x.dtype) if log_det else None
         all_stats = []
         for block, k in zip(blocks, keys):
-            x, ld, stats = block.transform(x, inverse=inverse, log_det=log_det, key=k)
+            x, ld, stats = block.transform(
+                x, inverse=inverse, log_det=log_det, key=k, counter=counter
+            )
             if log_det:
                 total = total + ld
             all_stats.append(stats)

@@ -5,6 +5,7 @@ For `dz/dt = f(t, z, args)`, the log-density along a trajectory changes as
 vector field `f` with that second component, for a batch of samples at once.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -21,11 +22,44 @@ class CNFArgs(eqx.Module):
     """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`: the user's own
     `args` for the vector field, and the probes drawn for this solve.
 
-    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args].
+    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]. `counter`, when
+    given, is a scalar whose gradient counts the backpropagated evaluations of the
+    term (see [`make_args`][cnftrace.CNFTerm.make_args]).
     """
 
     args: PyTree[Any]
     probes: Array | None
+    counter: Float[Array, ""] | None = None
+
+
+def _count_vjps(fn: Callable, counter: Array, *inputs):
+    """`fn(*inputs)`, whose reverse-mode derivative adds exactly 1 to the cotangent of
+    `counter` each time it is backpropagated through, and is otherwise `fn`'s own.
+
+    The gradient of a loss with respect to `counter` is then the number of
+    evaluations of `fn` that reverse mode went through: for discrete adjoints
+    (`RecursiveCheckpointAdjoint`, `DirectAdjoint`) the backward pass's vector-field
+    VJPs. (`BacksolveAdjoint` integrates cotangents instead of summing them, so there
+    the gradient is not a count.)
+    """
+    diff, static = eqx.partition(inputs, eqx.is_array)
+
+    @jax.custom_vjp
+    def counted(counter, diff):
+        del counter
+        return fn(*eqx.combine(diff, static))
+
+    def counted_fwd(counter, diff):
+        out, pullback = jax.vjp(lambda d: fn(*eqx.combine(d, static)), diff)
+        return out, (pullback, counter)
+
+    def counted_bwd(residuals, ct_out):
+        pullback, counter = residuals
+        (ct_diff,) = pullback(ct_out)
+        return jnp.ones_like(counter), ct_diff
+
+    counted.defvjp(counted_fwd, counted_bwd)
+    return counted(counter, diff)
 
 
 def _vmap_n(fn, n: int, in_axes):
@@ -81,13 +115,27 @@ class CNFTerm(ODETerm):
     estimator: AbstractEstimator = Exact()
     event_ndim: int = eqx.field(default=1, static=True)
 
-    def make_args(self, z0: Array, *, key: Key | None = None, args=None) -> CNFArgs:
+    def make_args(
+        self,
+        z0: Array,
+        *,
+        key: Key | None = None,
+        args=None,
+        counter: Float[Array, ""] | None = None,
+    ) -> CNFArgs:
         """Draws this solve's probes for the initial state `z0` and bundles them
-        with the vector field's own `args`."""
+        with the vector field's own `args`.
+
+        `counter` (optional) is a float scalar, usually `jnp.zeros(())`, to count
+        backward evaluations: the gradient of a loss with respect to it equals the
+        number of times reverse mode backpropagates through the term's vector field
+        (the backward NFE of a discrete adjoint such as diffrax's default
+        `RecursiveCheckpointAdjoint`). Its value never changes the solution.
+        """
         probes = self.estimator.draw(
             key, z0.shape, z0.dtype, event_ndim=self.event_ndim
         )
-        return CNFArgs(args=args, probes=probes)
+        return CNFArgs(args=args, probes=probes, counter=counter)
 
     def initial_state(self, z0: Array) -> tuple[Array, Float[Array, " *batch"]]:
         """`(z0, zeros)`: the augmented initial state."""
@@ -101,8 +149,14 @@ class CNFTerm(ODETerm):
                 "`CNFTerm` needs `args=term.make_args(z0, key=..., args=...)` in "
                 f"`diffeqsolve`; got args of type {type(args).__name__}."
             )
-        user_args = args.args
+        if args.counter is not None:
+            # The term itself is an input (not closed over), so that gradients reach
+            # the vector field's parameters through the custom VJP.
+            vf = type(self)._vf
+            return _count_vjps(vf, args.counter, self, t, z, args.args, args.probes)
+        return self._vf(t, z, args.args, args.probes)
 
+    def _vf(self, t, z, user_args, probes):
         def one_sample(z_i, probes_i):
             def fn(u):
                 return self.vector_field(t, u, user_args)
@@ -111,7 +165,7 @@ class CNFTerm(ODETerm):
             return dz, -div
 
         batch_ndim = z.ndim - self.event_ndim
-        dz, dlogp = _vmap_n(one_sample, batch_ndim, (0, 0))(z, args.probes)
+        dz, dlogp = _vmap_n(one_sample, batch_ndim, (0, 0))(z, probes)
         return dz, dlogp.astype(z.dtype)
 
 

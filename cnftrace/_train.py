@@ -5,6 +5,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -39,15 +40,54 @@ class NLL(eqx.Module):
         return f"{self.mean:.4f} ± {self.stderr:.4f} nats"
 
 
-def _batch_sampler(data: DataSource, name: str) -> Callable[[Key, int], Array]:
-    if callable(data):
-        return data
-    data = jnp.asarray(data)
+def _check_samples(data, name: str, event_shape: tuple[int, ...]) -> Array:
+    """`data` as an array of finite floating samples of shape `(n, *event_shape)`,
+    or a clear error."""
+    data = np.asarray(data)
     if data.ndim < 2 or data.shape[0] < 1:
         raise ValueError(
             f"`{name}` must be an array of samples of shape (n, *event) or a function "
             f"`(key, batch_size) -> batch`; got an array of shape {data.shape}."
         )
+    if tuple(data.shape[1:]) != tuple(event_shape):
+        raise ValueError(
+            f"`{name}` holds samples of shape {data.shape[1:]}, but the flow models "
+            f"samples of shape {tuple(event_shape)}."
+        )
+    if not np.issubdtype(data.dtype, np.floating):
+        raise TypeError(
+            f"`{name}` has dtype {data.dtype}; convert it to floating point first "
+            "(dequantise integer data)."
+        )
+    bad = ~np.isfinite(data.reshape(data.shape[0], -1)).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise ValueError(
+            f"`{name}` has {rows.size} sample(s) with NaN or inf (first at index "
+            f"{rows[0]}); remove or impute them before training."
+        )
+    return jnp.asarray(data)
+
+
+def _discrete_adjoints(flow: AbstractFlow) -> bool:
+    """Whether every block differentiates its solve by backpropagating through the
+    solver's steps (so that backward evaluations can be counted)."""
+    blocks = flow.blocks if isinstance(flow, Chain) else (flow,)
+    return all(
+        isinstance(b, CNF) and not isinstance(b.adjoint, diffrax.BacksolveAdjoint)
+        for b in blocks
+    )
+
+
+def _batch_sampler(
+    data: DataSource, name: str, event_shape: tuple[int, ...]
+) -> Callable[[Key, int], Array]:
+    if callable(data):
+        # One small draw up front, so that a generator of the wrong shape or dtype
+        # fails here with a clear message rather than inside the compiled step.
+        _check_samples(data(jr.key(0), 2), f"{name}(key, batch_size)", event_shape)
+        return data
+    data = _check_samples(data, name, event_shape)
 
     def sample(key, batch_size):
         idx = jr.randint(key, (batch_size,), 0, data.shape[0])
@@ -154,7 +194,10 @@ def fit(
 
     `(trained_flow, history)`: the flow with the best validation NLL (the last one
     without `validation`), and a dict of lists: `step`, `loss` (the training NLL
-    estimate), `nfe` (forward NFE per step, all blocks), `seconds`, `skipped`
+    estimate), `nfe` (forward NFE per step, all blocks), `nfe_backward` (the
+    vector-field evaluations backpropagated through per step, all blocks, counted
+    exactly; `-1` where a block uses `BacksolveAdjoint`, whose backward solve is not
+    counted), `seconds`, `skipped`
     (non-finite steps skipped so far); with `validation` also `val_step`, `val_nll`,
     `val_stderr`.
     """
@@ -170,7 +213,9 @@ def fit(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
-    sampler = _batch_sampler(data, "data")
+    sampler = _batch_sampler(data, "data", flow.event_shape)
+    if validation is not None:
+        validation = _check_samples(validation, "validation", flow.event_shape)
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     estimator = Hutchinson() if estimator is None else estimator
     params, static = eqx.partition(flow, eqx.is_inexact_array)
@@ -178,7 +223,7 @@ def fit(
     params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = optimizer.init(params)
     run_config = checkpoint_config(flow, batch_size, estimator, config)
-    names = ("step", "loss", "nfe", "seconds", "skipped")
+    names = ("step", "loss", "nfe", "nfe_backward", "seconds", "skipped")
     names += ("val_step", "val_nll", "val_stderr")
     history: dict[str, list[Any]] = {name: [] for name in names}
     # A separate copy: `params` is donated to each step.
@@ -196,9 +241,10 @@ def fit(
                     "run. Pass the same key, or use a new checkpoint directory."
                 )
             history = header["history"]
+            for name in names:
+                history.setdefault(name, [])
 
     if validation is not None:
-        validation = jnp.asarray(validation)
         val_estimator = (
             Exact() if validation_estimator is None else validation_estimator
         )
@@ -206,18 +252,28 @@ def fit(
         # apart from the training keys `fold_in(key, step)`.
         val_key = jr.fold_in(key, 2**31 - 1)
 
-    def loss_fn(params, batch, key):
+    def loss_fn(params, counter, batch, key):
         model = eqx.combine(params, static).with_estimator(estimator)
-        logp, stats = model.log_prob(batch, key=key, return_stats=True)
+        logp, stats = model._batch_log_prob(batch, key, counter)
         return -jnp.mean(logp), stats.total_nfe
+
+    # The gradient with respect to `counter` counts the backward pass's evaluations
+    # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
+    count_backward = _discrete_adjoints(flow)
 
     @eqx.filter_jit(donate="all-except-first")
     def step(i, params, opt_state, failures):
         data_key, probe_key = jr.split(jr.fold_in(key, i))
         batch = sampler(data_key, batch_size)
-        (loss, nfe), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            params, batch, probe_key
+        batch = eqx.error_if(
+            batch,
+            jnp.any(~jnp.isfinite(batch)),
+            "a training batch contains NaN or inf; clean the data first.",
         )
+        counter = jnp.zeros((), batch.dtype) if count_backward else None
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+        (loss, nfe), (grads, nfe_backward) = grad_fn(params, counter, batch, probe_key)
+        nfe_backward = jnp.round(nfe_backward).astype(int) if count_backward else -1
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
         ok = jnp.isfinite(loss) & _all_finite(grads)
@@ -225,7 +281,7 @@ def fit(
         params = jax.tree_util.tree_map(keep_new, new_params, params)
         opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, opt_state)
         failures = jnp.where(ok, 0, failures + 1)
-        return params, opt_state, loss, nfe, failures, ~ok
+        return params, opt_state, loss, (nfe, nfe_backward), failures, ~ok
 
     def save(done):
         best = best_params if validation is not None else params
@@ -260,7 +316,7 @@ def fit(
             done % validate_every == 0 or done == steps
         )
         try:
-            params, opt_state, loss, nfe, failures, bad = step(
+            params, opt_state, loss, (nfe, nfe_backward), failures, bad = step(
                 jnp.asarray(i), params, opt_state, failures
             )
             skipped_now = skipped_now + bad
@@ -272,6 +328,7 @@ def fit(
                     "step": done,
                     "loss": float(loss),
                     "nfe": int(nfe),
+                    "nfe_backward": int(nfe_backward),
                     "seconds": time.perf_counter() - start,
                     "skipped": skipped,
                 }
@@ -315,7 +372,10 @@ def fit(
             if on_log is not None:
                 on_log(record)
             if progress:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", nfe=record["nfe"])
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    nfe=f"{record['nfe']}/{record['nfe_backward']}",
+                )
         if checkpoint_now:
             save(done)
         if patience is not None and validations_since_best() >= patience:

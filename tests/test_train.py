@@ -2,6 +2,7 @@
 
 import os
 
+import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,57 @@ def test_fit_bad_arguments():
         cnftrace.fit(flow, jnp.ones((10, 2)), key=jr.key(0), batch_size=-1)
     with pytest.raises(ValueError, match="data"):
         cnftrace.fit(flow, jnp.ones(10), key=jr.key(0))
+
+
+def test_fit_refuses_bad_data_before_training(tmp_path):
+    flow = _flow(jr.key(0))
+    good = np.asarray(jr.normal(jr.key(1), (50, 2)))
+    nan_row = good.copy()
+    nan_row[7, 1] = np.nan
+    cases = [
+        (dict(data=nan_row), ValueError, r"`data` has 1 sample.*index 7"),
+        (dict(data=good[:, :1]), ValueError, r"`data` holds samples of shape \(1,\)"),
+        (dict(data=good[:0]), ValueError, "`data` must be an array"),
+        (dict(data=good.astype(int)), TypeError, "`data` has dtype"),
+        (dict(data=good, validation=nan_row), ValueError, "`validation` has 1"),
+        (
+            dict(data=lambda k, n: jr.normal(k, (n, 3))),
+            ValueError,
+            r"`data\(key, batch_size\)` holds samples of shape \(3,\)",
+        ),
+    ]
+    for kwargs, error, match in cases:
+        ckpt = os.path.join(tmp_path, "ckpt")
+        with pytest.raises(error, match=match):
+            cnftrace.fit(
+                flow, key=jr.key(0), steps=2, progress=False, checkpoint_dir=ckpt,
+                **kwargs,
+            )  # fmt: skip
+        assert not os.path.exists(ckpt)  # nothing was written
+
+    # A generator that turns bad after the up-front check stops the step before any
+    # update.
+    def turns_bad(k, n):
+        return jr.normal(k, (n, 2)) if n == 2 else jnp.full((n, 2), jnp.nan)
+
+    with pytest.raises(Exception, match="NaN or inf"):
+        cnftrace.fit(
+            flow, turns_bad, key=jr.key(0), steps=2, batch_size=8, progress=False
+        )
+
+
+def test_history_counts_backward_evaluations():
+    x = np.asarray(jr.normal(jr.key(2), (300, 2)))
+    _, hist = cnftrace.fit(
+        _flow(jr.key(3)), x, key=jr.key(4), steps=3, batch_size=16, progress=False
+    )
+    # Tsit5: 1 + 6 per step differentiated, 1 (initial step) not: nfe - 1.
+    assert hist["nfe_backward"] == [n - 1 for n in hist["nfe"]]
+    backsolve = _flow(jr.key(3), adjoint=diffrax.BacksolveAdjoint())
+    _, hist = cnftrace.fit(
+        backsolve, x, key=jr.key(4), steps=2, batch_size=16, progress=False
+    )
+    assert hist["nfe_backward"] == [-1, -1] and min(hist["nfe"]) > 0
 
 
 def test_evaluate_nll_matches_log_prob_and_closed_form():
