@@ -25,7 +25,10 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 13))
-    assert {"loss", "nfe", "seconds", "step_seconds"} <= set(records[0])
+    assert {"loss", "nfe", "nfe_backward", "seconds", "step_seconds"} <= set(records[0])
+    # Tsit5 with the default adjoint: every evaluation but the initial-step
+    # heuristic's is backpropagated.
+    assert all(r["nfe_backward"] == r["nfe"] - 1 for r in records)
     with open(os.path.join(run, "config.json")) as f:
         assert json.load(f)["width"] == 8
 
@@ -62,6 +65,16 @@ def test_datasets_lists_all_eight(capsys):
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(SystemExit, match="not a cnftrace run directory"):
         main(["eval", str(tmp_path)])
+
+
+def test_dataset_is_an_alias_of_data():
+    from cnftrace._cli import make_parser
+
+    for flag in ("--data", "--dataset"):
+        args = make_parser().parse_args(
+            ["train", flag, "checkerboard", "--run-dir", "x"]
+        )
+        assert args.data == "checkerboard"
 
 
 def test_bad_arguments():
