@@ -42,6 +42,14 @@ _SOLVERS = {
     "dopri8": diffrax.Dopri8,
     "bosh3": diffrax.Bosh3,
 }
+# Default length and batch size of training, per data set where the general default
+# falls short. checkerboard's sharp edges need more and less noisy steps: its exact test
+# NLL came within 0.127 nats of log 32 with 8000 steps of 256 (0.165 with 8000 of 128,
+# 0.31 with 2400 of 128).
+_RECIPES = {
+    None: {"steps": 2400, "batch_size": 128},
+    "checkerboard": {"steps": 8000, "batch_size": 256},
+}
 _ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.elu}
 # Settings that define the model and the optimisation; a checkpoint written under other
 # values of these is refused on resume.
@@ -125,7 +133,15 @@ def cmd_datasets(args) -> int:
     return 0
 
 
+def apply_recipe(args) -> None:
+    """Fills the training settings left unset (`None`) with the data set's defaults."""
+    for name, value in _RECIPES.get(args.data, _RECIPES[None]).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def cmd_train(args) -> int:
+    apply_recipe(args)
     config = {k: getattr(args, k) for k in _MODEL_KEYS}
     os.makedirs(os.path.join(args.run_dir, "checkpoints"), exist_ok=True)
     config_path = os.path.join(args.run_dir, "config.json")
@@ -292,8 +308,18 @@ def make_parser() -> argparse.ArgumentParser:
         help="a toy 2-D set, a scikit-learn tabular set, or the 8x8 digits",
     )
     p.add_argument("--run-dir", required=True, help="directory of this run")
-    p.add_argument("--steps", type=int, default=2400, help="total optimiser steps")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="total optimiser steps (default: 2400; 8000 for checkerboard)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="fresh samples per step (default: 128; 256 for checkerboard)",
+    )
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--clip", type=float, default=10.0, help="gradient-norm clip")
     p.add_argument("--blocks", type=int, default=1, help="number of CNF blocks")

@@ -77,6 +77,19 @@ def test_dataset_is_an_alias_of_data():
         assert args.data == "checkerboard"
 
 
+def test_per_dataset_training_defaults():
+    from cnftrace._cli import apply_recipe, make_parser
+
+    def resolved(*argv):
+        args = make_parser().parse_args(["train", "--run-dir", "x", *argv])
+        apply_recipe(args)
+        return args.steps, args.batch_size
+
+    assert resolved() == (2400, 128)
+    assert resolved("--dataset", "checkerboard") == (8000, 256)
+    assert resolved("--dataset", "checkerboard", "--steps", "10") == (10, 256)
+
+
 def test_bad_arguments():
     with pytest.raises(SystemExit):
         main(["train", "--run-dir", "x", "--data", "nonsense"])
