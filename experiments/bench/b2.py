@@ -1,0 +1,245 @@
+"""B2, time to quality, for cnftrace (see `common.py` and `shared/BENCHMARK.md`).
+
+B1's model (`b1.make_flow`: one block, ConcatSquash 2-64-64-64-2 with tanh, T = 0.5,
+Tsit5 at rtol = atol = 1e-5, float32) is trained from scratch on fresh samples of the
+toy data every step, with one Rademacher Hutchinson probe per sample. Every
+`eval_every_s` seconds of training the exact-trace test NLL (`cnftrace.evaluate_nll`)
+of a fixed test set is recorded; training stops at `budget_s` training seconds or as
+soon as the gap to the floor (`common.B2_FLOOR`) is at most 0.05 nats.
+
+The clock: training time is the wall time of the training loop, including the first
+step's compilation (a user waits for it too) and drawing each batch, which happens
+inside the jitted step; evaluations are off the clock. The host waits for the device
+only every `check_every` steps (blocking on the loss), so an evaluation or the budget's
+end can come up to `check_every - 1` steps late; the recorded time is the true
+training time at that point.
+
+The loop is a few lines over the public API rather than `cnftrace.fit`, which stops
+after a number of steps, not seconds. It does what `fit` does in a step: batch and
+probe keys split from `jax.random.fold_in(key, step)`, the mean NLL under Hutchinson,
+its gradient, an optax update (without `fit`'s skipping of non-finite steps).
+
+Settings, one configuration for both data sets (the defaults of `cnftrace_b2`):
+
+- batch 128: on this model a step of 128 samples costs about a quarter of one of 512
+  and makes about the same progress, so it reaches a given loss sooner;
+- Adam with a linear warmup over 50 steps to a peak of 2e-3, then a cosine decay to
+  1/20 of the peak, held there after; gradients clipped to a global norm of 10 (the
+  settings of `experiments/demo.py`);
+- the decay's horizon, which a time budget does not give: by default the number of
+  steps the budget holds at a nominal `HORIZON_STEPS_PER_S` = 25 steps a second (what
+  batch 128 runs at on a 2-core CPU, averaged over training: the steps slow down as
+  the dynamics stiffen), so 6,000 steps for 240 s and 12,000 for 480 s. The rate is a
+  constant, not measured during the run, so a given budget always trains along the
+  same schedule whatever the machine's speed or load. The budget does set the
+  schedule: a larger one decays more slowly, even in a run that stops early at a gap
+  of 0.05. A fixed horizon of
+  2,400 steps (the demo's) reached a gap of 0.05 on 8gaussians as fast, but on
+  checkerboard its learning rate sits at 1e-4 from step 2,400 and it stalled at a gap
+  of 0.23 in 480 s, against 0.12 with the 12,000-step horizon.
+"""
+
+import math
+import os
+import time
+from collections.abc import Callable
+
+import b1
+import common
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+
+import cnftrace
+from cnftrace.datasets import toy_log_prob, toy_sample
+
+DTYPE = jnp.float32
+HORIZON_STEPS_PER_S = 25.0
+SOLVER = "tsit5, PI control, max-over-samples RMS norm, rtol = atol = 1e-5"
+NOTES = (
+    "B1's model: one CNF block, ConcatSquash 2 -> 64 -> 64 -> 64 -> 2 (tanh), "
+    "T = 0.5, float32. Trained with one Rademacher Hutchinson probe per sample; test "
+    "NLL with the exact trace. Compilation counts as training time."
+)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def make_optimizer(
+    peak_lr: float, warmup_steps: int, decay_steps: int, end_factor: float, clip: float
+) -> optax.GradientTransformation:
+    """Adam on a warmup-cosine schedule, after clipping by the global norm."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        peak_lr,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        end_value=peak_lr * end_factor,
+    )
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
+
+
+def _make_step(dataset: str, batch: int, optimizer: optax.GradientTransformation):
+    """One jitted training step `(flow, opt_state, key, i) -> (flow, opt_state, loss,
+    nfe)`: draws the batch and probes from `fold_in(key, i)`."""
+
+    def loss_fn(flow, x, probe_key):
+        logp, stats = flow.log_prob(x, key=probe_key, return_stats=True)
+        return -jnp.mean(logp), stats.total_nfe
+
+    @eqx.filter_jit
+    def step(flow, opt_state, key, i):
+        data_key, probe_key = jr.split(jr.fold_in(key, i))
+        x = toy_sample(dataset, data_key, batch, dtype=DTYPE)
+        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+        (loss, nfe), grads = grad_fn(flow, x, probe_key)
+        params = eqx.filter(flow, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        # optax's schedule is float64 under x64; keep the parameters in float32.
+        updates = jax.tree.map(lambda u, w: u.astype(w.dtype), updates, params)
+        return eqx.apply_updates(flow, updates), opt_state, loss, nfe
+
+    return step
+
+
+def cnftrace_b2(
+    dataset: str,
+    budget_s: float,
+    eval_every_s: float = common.B2_EVAL_EVERY_S,
+    test_size: int = common.B2_TEST_SIZE,
+    seed: int = 0,
+    *,
+    batch: int = 128,
+    peak_lr: float = 2e-3,
+    warmup_steps: int = 50,
+    decay_steps: int | None = None,
+    end_factor: float = 0.05,
+    clip: float = 10.0,
+    check_every: int = 10,
+    on_eval: Callable[[dict], None] | None = None,
+) -> dict:
+    """B2 for cnftrace: train B1's model with Hutchinson and record the exact-trace
+    test NLL every `eval_every_s` seconds of training time, until `budget_s` training
+    seconds or a gap to the floor of at most 0.05 nats.
+
+    Training time includes the compilation of the training step (a user waits for
+    it) and excludes the evaluations (and their compilation).
+
+    Returns what `zuko_peer.zuko_b2` returns (the curve of (training seconds, test
+    NLL), `time_to_gap` for each gap of `common.B2_GAPS`, `best_gap`, `steps`,
+    `floor`, `test_true_nll`, ...) plus `settings`, the training configuration.
+    `on_eval`, if given, is called at each evaluation with a dict of the training
+    seconds, step, test NLL, its standard error, the last training loss and the NFE
+    of the last training step's forward solve.
+
+    `decay_steps`, the cosine decay's horizon, defaults to `budget_s *
+    HORIZON_STEPS_PER_S` (see the module's docstring)."""
+    if dataset not in common.B2_FLOOR:
+        raise ValueError(f"dataset must be one of {sorted(common.B2_FLOOR)}.")
+    horizon = "given"
+    if decay_steps is None:
+        decay_steps = max(1, round(budget_s * HORIZON_STEPS_PER_S))
+        horizon = f"budget_s * {HORIZON_STEPS_PER_S:g} steps/s"
+    settings = {
+        "batch": batch,
+        "optimizer": "adam after clip_by_global_norm",
+        "peak_lr": peak_lr,
+        "warmup_steps": warmup_steps,
+        "decay_steps": decay_steps,
+        "horizon": horizon,
+        "end_lr": peak_lr * end_factor,
+        "schedule": "linear warmup, cosine decay to end_lr, then constant",
+        "clip_global_norm": clip,
+        "estimator": "hutchinson, 1 rademacher probe",
+        "check_every": check_every,
+    }
+    optimizer = make_optimizer(peak_lr, warmup_steps, decay_steps, end_factor, clip)
+    flow = b1.make_flow("hutchinson", seed=seed)
+    opt_state = optimizer.init(eqx.filter(flow, eqx.is_inexact_array))
+    step = _make_step(dataset, batch, optimizer)
+    key = jr.key(seed + 1)
+
+    x_test = toy_sample(dataset, jr.key(common.B2_TEST_SEED), test_size, dtype=DTYPE)
+    true_lp = np.asarray(toy_log_prob(dataset, x_test))
+    true_nll = -float(true_lp.mean()) if np.all(np.isfinite(true_lp)) else None
+    floor = common.B2_FLOOR[dataset]
+    gaps = sorted(common.B2_GAPS, reverse=True)
+
+    curve: list[tuple[float, float]] = []
+    time_to_gap: dict[float, float | None] = dict.fromkeys(gaps)
+    best_gap = math.inf
+    train_s = 0.0
+    next_eval = eval_every_s
+    steps = 0
+    while train_s < budget_s:
+        t0 = time.perf_counter()
+        for _ in range(check_every):
+            flow, opt_state, loss, nfe = step(flow, opt_state, key, jnp.asarray(steps))
+            steps += 1
+        loss.block_until_ready()
+        train_s += time.perf_counter() - t0
+        if train_s >= next_eval or train_s >= budget_s:
+            nll = cnftrace.evaluate_nll(flow, x_test)  # exact trace
+            curve.append((train_s, nll.mean))
+            gap = nll.mean - floor
+            best_gap = min(best_gap, gap)
+            for g in gaps:
+                if time_to_gap[g] is None and gap <= g:
+                    time_to_gap[g] = train_s
+            if on_eval is not None:
+                on_eval(
+                    {
+                        "train_s": train_s,
+                        "step": steps,
+                        "test_nll": nll.mean,
+                        "stderr": nll.stderr,
+                        "loss": float(loss),
+                        "nfe": int(nfe),
+                    }
+                )
+            while next_eval <= train_s:
+                next_eval += eval_every_s
+            if gap <= min(gaps):
+                break
+
+    return {
+        "system": f"cnftrace {cnftrace.__version__}",
+        "dataset": dataset,
+        "solver": SOLVER,
+        "notes": NOTES,
+        "curve": curve,
+        "time_to_gap": time_to_gap,
+        "best_gap": best_gap,
+        "steps": steps,
+        "floor": floor,
+        "test_true_nll": true_nll,
+        "threads": _cores(),
+        "settings": settings,
+    }
+
+
+if __name__ == "__main__":
+    import sys
+
+    name = sys.argv[1] if len(sys.argv) > 1 else "8gaussians"
+    budget = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
+
+    def show(r):
+        print(
+            f"{r['train_s']:7.1f} s  step {r['step']:5d}  test NLL "
+            f"{r['test_nll']:.4f} ± {r['stderr']:.4f}  loss {r['loss']:.4f}  "
+            f"NFE {r['nfe']}",
+            flush=True,
+        )
+
+    jnp.zeros(())  # start the backend before the clock
+    r = cnftrace_b2(name, budget, on_eval=show)
+    print(r["time_to_gap"], f"best gap {r['best_gap']:.4f}", f"steps {r['steps']}")

@@ -1,0 +1,274 @@
+"""The zuko peer for B1 and B2 (see `common.py` and `shared/BENCHMARK.md`).
+
+zuko 1.6's `zuko.flows.CNF` is configured as close to our protocol as its constructor
+allows: an MLP with hidden features (64, 64, 64) and tanh, atol = rtol = 1e-5, float32,
+Adam at lr 1e-3, one CNF block over a standard normal base, exact trace or Hutchinson.
+What cannot be matched without patching zuko (and zuko's numerics are not patched here):
+
+- Time span: zuko integrates over [0, 1] (a `times` buffer, not a constructor option),
+  not [0, 0.5].
+- Vector field: a plain MLP on the concatenation [x, cos(k pi t), sin(k pi t)], k = 1..3
+  (a sinusoidal time embedding, input width 2 + 6 = 8), instead of FFJORD's
+  ConcatSquash layers, where t gates and shifts every hidden layer.
+- Solver: zuko's own Dormand--Prince 5(4) loop in Python. Every attempted step costs 7
+  evaluations (no first-same-as-last reuse), rejected ones included; the error norm is
+  the max over the whole batch of |err| / (atol + rtol max(|x|, |y|)); the first trial
+  step is the whole span; the step factor is 0.9 err^(-1/5) clipped to [0.1, 10]. The
+  log-determinant is carried in the state scaled by 1e-2, which loosens its tolerance
+  a hundredfold relative to the state's.
+- Divergence: the exact trace via a batched VJP against the identity, or Hutchinson
+  with one *Gaussian* probe per sample (`torch.randn_like`), drawn once per solve; the
+  protocol's Rademacher probe is not offered.
+- Gradients: zuko's "adaptive checkpoint adjoint". The forward solve stores its
+  accepted states; the backward pass takes one Dopri5 step (6 evaluations, no error
+  control) of the augmented adjoint system per stored step, backwards on the forward
+  step grid and restarting the state from the stored checkpoint each step. Each
+  backward evaluation is a network call plus a VJP through the network and the
+  divergence (second-order autodiff).
+
+NFE counts are calls of zuko's vector-field MLP, read off a forward hook: `nfe_fwd`
+during the loss (the forward solve), `nfe_bwd` inside `loss.backward()`.
+
+The data sampler (`cnftrace.datasets.toy_sample`, a jitted JAX function) is warmed up
+once before the clock starts, so `first_step_s` is torch/zuko's own first-call cost;
+drawing each batch is still inside every timed iteration.
+
+Threads: torch gets one intra-op thread per core by default (`threads=None`). At these
+sizes (batch 512, width 64) a second thread buys little, and when another process
+competes for the cores torch's thread pool slows down several-fold; pass `threads=1`
+to see that effect (the result records the count used).
+
+B2 evaluates the test set in chunks of `eval_batch` under `torch.no_grad()`, with an
+exact-trace copy of the model that is loaded with the trained weights at each
+evaluation. zuko's error norm is a max over the chunk, so the chunk size changes the
+evaluation's step count slightly (not its tolerance).
+"""
+
+import math
+import os
+import time
+
+import common
+import jax
+import numpy as np
+import torch
+import zuko
+
+from cnftrace.datasets import toy_log_prob, toy_sample
+
+SOLVER = (
+    "zuko odeint: adaptive Dormand-Prince 5(4), 7 evals per attempted step, max-norm "
+    "error control, atol = rtol = 1e-5, span [0, 1]; adaptive checkpoint adjoint"
+)
+NOTES = (
+    "zuko.flows.CNF, MLP (2 + 6 time-embedding) -> 64 -> 64 -> 64 -> 2, tanh; "
+    "time span [0, 1] (not 0.5); sinusoidal time embedding, not ConcatSquash; "
+    "Hutchinson uses a Gaussian probe; log-det integrated at 1e-2 scale."
+)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _setup_torch(seed: int, threads: int | None) -> int:
+    """Seed torch and set its intra-op threads (default: one per available core)."""
+    threads = _cores() if threads is None else threads
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return threads
+
+
+def _make_flow(exact: bool) -> zuko.flows.CNF:
+    return zuko.flows.CNF(
+        features=2,
+        hidden_features=(common.B1_WIDTH,) * common.B1_DEPTH,
+        activation=torch.nn.Tanh,
+        atol=common.B1_TOL,
+        rtol=common.B1_TOL,
+        exact=exact,
+    )
+
+
+class _CallCounter:
+    """Counts calls of a module through a forward hook (one int increment a call)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.n = 0
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output) -> None:
+        self.n += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _batch(dataset: str, key, n: int) -> torch.Tensor:
+    # np.array copies JAX's read-only buffer into a writable float32 array.
+    x = np.array(toy_sample(dataset, key, n, dtype=np.float32), dtype=np.float32)
+    return torch.from_numpy(x)
+
+
+def _train_step(flow, opt, x, counter) -> tuple[float, int, int]:
+    """One Adam step on the mean NLL of `x`; returns (loss, nfe_fwd, nfe_bwd)."""
+    n0 = counter.n
+    loss = -flow().log_prob(x).mean()
+    n1 = counter.n
+    opt.zero_grad()
+    loss.backward()
+    n2 = counter.n
+    opt.step()
+    return loss.item(), n1 - n0, n2 - n1
+
+
+def zuko_b1(
+    exact: bool,
+    iters: int = 120,
+    batch: int = 512,
+    seed: int = 0,
+    threads: int | None = None,
+) -> dict:
+    """B1: wall seconds per training iteration of zuko's CNF (data + forward +
+    backward + Adam update), with NFE per iteration averaged over B1's window.
+    `threads` is torch's intra-op thread count, by default one per core."""
+    if iters < 1:
+        raise ValueError(f"iters must be positive; got {iters}.")
+    threads = _setup_torch(seed, threads)
+    flow = _make_flow(exact)
+    opt = torch.optim.Adam(flow.parameters(), lr=common.B1_LR)
+    counter = _CallCounter(flow.transform.ode)
+    key = jax.random.key(seed)
+    _batch("8gaussians", jax.random.fold_in(key, 2**31 - 1), batch)  # warm the sampler
+
+    times, nfe_fwd, nfe_bwd = [], [], []
+    try:
+        for i in range(iters):
+            t0 = time.perf_counter()
+            x = _batch("8gaussians", jax.random.fold_in(key, i), batch)
+            _, nf, nb = _train_step(flow, opt, x, counter)
+            times.append(time.perf_counter() - t0)
+            nfe_fwd.append(nf)
+            nfe_bwd.append(nb)
+    finally:
+        counter.remove()
+
+    s_per_iter = common.window_avg(times)
+    return {
+        "system": f"zuko {zuko.__version__}",
+        "estimator": "exact" if exact else "hutchinson (gaussian probe)",
+        "solver": SOLVER,
+        "notes": NOTES,
+        "s_per_iter": s_per_iter,
+        "first_step_s": times[0],
+        "nfe_fwd": float(common.window_avg(nfe_fwd)),
+        "nfe_bwd": float(common.window_avg(nfe_bwd)),
+        "iter_times": times,
+        "threads": threads,
+    }
+
+
+def _test_nll(eval_flow, x_test: torch.Tensor, eval_batch: int) -> float:
+    """Exact-trace mean NLL of `x_test`, in chunks, without parameter gradients."""
+    total = 0.0
+    with torch.no_grad():
+        for lo in range(0, x_test.shape[0], eval_batch):
+            chunk = x_test[lo : lo + eval_batch]
+            total += -eval_flow().log_prob(chunk).sum().item()
+    return total / x_test.shape[0]
+
+
+def zuko_b2(
+    dataset: str,
+    budget_s: float,
+    eval_every_s: float = 15.0,
+    test_size: int = 5000,
+    batch: int = 512,
+    seed: int = 0,
+    lr: float = 1e-3,
+    eval_batch: int = 1000,
+    threads: int | None = None,
+) -> dict:
+    """B2: train zuko's CNF with Hutchinson and record the exact-trace test NLL every
+    `eval_every_s` seconds of training time (evaluation not on the clock), until
+    `budget_s` training seconds or a gap to the floor of at most 0.05 nats.
+
+    Besides the curve, `time_to_gap` (training seconds at the first evaluation within
+    each gap, or None), `best_gap` and `steps`, it returns the `floor` and the test
+    set's own mean NLL under the true density (`test_true_nll`)."""
+    if dataset not in common.B2_FLOOR:
+        raise ValueError(f"dataset must be one of {sorted(common.B2_FLOOR)}.")
+    threads = _setup_torch(seed, threads)
+    flow = _make_flow(exact=False)
+    eval_flow = _make_flow(exact=True).eval()  # takes `flow`'s weights at each eval
+    opt = torch.optim.Adam(flow.parameters(), lr=lr)
+    counter = _CallCounter(flow.transform.ode)
+
+    test_key = jax.random.key(common.B2_TEST_SEED)
+    x_test_np = np.array(
+        toy_sample(dataset, test_key, test_size, dtype=np.float32), dtype=np.float32
+    )
+    x_test = torch.from_numpy(x_test_np)
+    true_nll = -float(np.mean(np.asarray(toy_log_prob(dataset, x_test_np))))
+    floor = common.B2_FLOOR[dataset]
+    gaps = sorted(common.B2_GAPS, reverse=True)
+    key = jax.random.key(seed)
+    _batch(dataset, jax.random.fold_in(key, 2**31 - 1), batch)  # warm the sampler
+
+    curve: list[tuple[float, float]] = []
+    time_to_gap: dict[float, float | None] = dict.fromkeys(gaps)
+    best_gap = math.inf
+    train_s = 0.0
+    next_eval = eval_every_s
+    steps = 0
+    try:
+        while train_s < budget_s:
+            t0 = time.perf_counter()
+            x = _batch(dataset, jax.random.fold_in(key, steps), batch)
+            _train_step(flow, opt, x, counter)
+            train_s += time.perf_counter() - t0
+            steps += 1
+            if train_s >= next_eval or train_s >= budget_s:
+                eval_flow.load_state_dict(flow.state_dict())
+                nll = _test_nll(eval_flow, x_test, eval_batch)
+                curve.append((train_s, nll))
+                gap = nll - floor
+                best_gap = min(best_gap, gap)
+                for g in gaps:
+                    if time_to_gap[g] is None and gap <= g:
+                        time_to_gap[g] = train_s
+                while next_eval <= train_s:
+                    next_eval += eval_every_s
+                if gap <= min(gaps):
+                    break
+    finally:
+        counter.remove()
+
+    return {
+        "system": f"zuko {zuko.__version__}",
+        "dataset": dataset,
+        "solver": SOLVER,
+        "notes": NOTES + " Trained with Hutchinson; test NLL with the exact trace.",
+        "curve": curve,
+        "time_to_gap": time_to_gap,
+        "best_gap": best_gap,
+        "steps": steps,
+        "floor": floor,
+        "test_true_nll": true_nll,
+        "threads": threads,
+    }
+
+
+if __name__ == "__main__":
+    for exact in (True, False):
+        r = zuko_b1(exact, iters=25)
+        print(
+            f"{r['system']} {r['estimator']}: {r['s_per_iter']:.3f} s/iter, first "
+            f"{r['first_step_s']:.3f} s, NFE fwd {r['nfe_fwd']:.1f} "
+            f"bwd {r['nfe_bwd']:.1f}"
+        )
+    r = zuko_b2("8gaussians", budget_s=10.0, eval_every_s=5.0, test_size=1000)
+    print(r["curve"], r["time_to_gap"], f"best gap {r['best_gap']:.3f}")

@@ -1,0 +1,42 @@
+"""The one-command benchmark suite (experiments/bench/run.py) on tiny settings: it
+writes a report with the targets table, B1's rows and the compute floor, atomically."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "bench")
+)
+import run  # noqa: E402
+
+
+@pytest.mark.slow  # compiles B1's training step twice
+def test_quick_b1_report(tmp_path, capsys):
+    out = os.path.join(tmp_path, "docs", "benchmarks.md")
+    assert run.main(["--quick", "--only", "b1", "--out", out]) == 0
+    with open(out) as f:
+        report = f.read()
+    assert "## Targets" in report and "## B1" in report and "Compute floor" in report
+    assert "B1 hutchinson s/iter ≤ 0.035" in report
+    assert "| hutchinson | cnftrace" in report and "| exact | cnftrace" in report
+    raw = json.load(open(os.path.splitext(out)[0] + ".json"))
+    for est in ("hutchinson", "exact"):
+        ours = raw["b1"][est]["cnftrace"]
+        assert ours["s_per_iter"] > 0 and ours["first_step_s"] > 0
+        # Tsit5: 6 evaluations a step, the first evaluation, the heuristic's one.
+        assert (ours["nfe_fwd"] - 2) % 6 == 0
+        assert ours["nfe_bwd"] == ours["nfe_fwd"] - 1
+        assert ours["floor_s"] > 0
+    assert sorted(os.listdir(os.path.dirname(out))) == [
+        "benchmarks.json",
+        "benchmarks.md",
+    ]  # no temporary files left behind
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(SystemExit):
+        run.main(["--only", "b4"])
