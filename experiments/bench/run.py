@@ -281,6 +281,7 @@ def main(argv=None) -> int:
         b3_args = dict(divergence={}, step={}, memory={})
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
     b1_res = run_b1(**b1_args) if "b1" in sections else None
     b2_res = run_b2(**b2_args) if "b2" in sections else None
     b3_res = None
@@ -303,7 +304,11 @@ def main(argv=None) -> int:
         f"Machine: {machine()}.",
         "",
         "Shared machines are noisy (15–30% run to run); the ratios are measured side "
-        "by side in this one invocation.",
+        "by side in this one invocation. Load average (1, 5, 15 min) at the start: "
+        + ", ".join(f"{x:.2f}" for x in load_before)
+        + "; at the end: "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        + f" (on {os.cpu_count()} CPUs).",
         "",
         "## Targets",
         "",
