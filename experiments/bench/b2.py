@@ -39,8 +39,6 @@ Settings, one configuration for both data sets (the defaults of `cnftrace_b2`):
   of 0.23 in 480 s, against 0.12 with the 12,000-step horizon.
 """
 
-import math
-import os
 import time
 from collections.abc import Callable
 
@@ -64,13 +62,6 @@ NOTES = (
     "T = 0.5, float32. Trained with one Rademacher Hutchinson probe per sample; test "
     "NLL with the exact trace. Compilation counts as training time."
 )
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def make_optimizer(
@@ -142,8 +133,7 @@ def cnftrace_b2(
 
     `decay_steps`, the cosine decay's horizon, defaults to `budget_s *
     HORIZON_STEPS_PER_S` (see the module's docstring)."""
-    if dataset not in common.B2_FLOOR:
-        raise ValueError(f"dataset must be one of {sorted(common.B2_FLOOR)}.")
+    tracker = common.QualityCurve(dataset, eval_every_s)
     horizon = "given"
     if decay_steps is None:
         decay_steps = max(1, round(budget_s * HORIZON_STEPS_PER_S))
@@ -170,14 +160,7 @@ def cnftrace_b2(
     x_test = toy_sample(dataset, jr.key(common.B2_TEST_SEED), test_size, dtype=DTYPE)
     true_lp = np.asarray(toy_log_prob(dataset, x_test))
     true_nll = -float(true_lp.mean()) if np.all(np.isfinite(true_lp)) else None
-    floor = common.B2_FLOOR[dataset]
-    gaps = sorted(common.B2_GAPS, reverse=True)
-
-    curve: list[tuple[float, float]] = []
-    time_to_gap: dict[float, float | None] = dict.fromkeys(gaps)
-    best_gap = math.inf
     train_s = 0.0
-    next_eval = eval_every_s
     steps = 0
     while train_s < budget_s:
         t0 = time.perf_counter()
@@ -186,14 +169,9 @@ def cnftrace_b2(
             steps += 1
         loss.block_until_ready()
         train_s += time.perf_counter() - t0
-        if train_s >= next_eval or train_s >= budget_s:
+        if tracker.due(train_s, budget_s):
             nll = cnftrace.evaluate_nll(flow, x_test)  # exact trace
-            curve.append((train_s, nll.mean))
-            gap = nll.mean - floor
-            best_gap = min(best_gap, gap)
-            for g in gaps:
-                if time_to_gap[g] is None and gap <= g:
-                    time_to_gap[g] = train_s
+            done = tracker.record(train_s, nll.mean)
             if on_eval is not None:
                 on_eval(
                     {
@@ -205,9 +183,7 @@ def cnftrace_b2(
                         "nfe": int(nfe),
                     }
                 )
-            while next_eval <= train_s:
-                next_eval += eval_every_s
-            if gap <= min(gaps):
+            if done:
                 break
 
     return {
@@ -215,13 +191,10 @@ def cnftrace_b2(
         "dataset": dataset,
         "solver": SOLVER,
         "notes": NOTES,
-        "curve": curve,
-        "time_to_gap": time_to_gap,
-        "best_gap": best_gap,
+        **tracker.result(),
         "steps": steps,
-        "floor": floor,
         "test_true_nll": true_nll,
-        "threads": _cores(),
+        "threads": common.cores(),
         "settings": settings,
     }
 

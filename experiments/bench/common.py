@@ -12,6 +12,7 @@ true entropy.
 """
 
 import math
+import os
 
 B1_BATCH = 512
 B1_ITERS = 120
@@ -48,3 +49,53 @@ def window_avg(values: list[float]) -> float:
     """The mean of `window_values(values)`."""
     sel = window_values(values)
     return sum(sel) / len(sel)
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class QualityCurve:
+    """B2's bookkeeping, the same for every system: when to evaluate (every
+    `eval_every_s` seconds of training time), the curve of test NLLs, the training
+    time of the first evaluation within each of `B2_GAPS` of the floor, the best gap,
+    and whether to stop (the smallest gap reached)."""
+
+    def __init__(self, dataset: str, eval_every_s: float):
+        if dataset not in B2_FLOOR:
+            raise ValueError(f"dataset must be one of {sorted(B2_FLOOR)}.")
+        self.floor = B2_FLOOR[dataset]
+        self.eval_every_s = eval_every_s
+        self.next_eval = eval_every_s
+        self.curve: list[tuple[float, float]] = []
+        self.time_to_gap: dict[float, float | None] = dict.fromkeys(
+            sorted(B2_GAPS, reverse=True)
+        )
+        self.best_gap = math.inf
+
+    def due(self, train_s: float, budget_s: float) -> bool:
+        return train_s >= self.next_eval or train_s >= budget_s
+
+    def record(self, train_s: float, nll: float) -> bool:
+        """Adds an evaluation; returns whether the smallest gap has been reached."""
+        self.curve.append((train_s, nll))
+        gap = nll - self.floor
+        self.best_gap = min(self.best_gap, gap)
+        for g, seconds in self.time_to_gap.items():
+            if seconds is None and gap <= g:
+                self.time_to_gap[g] = train_s
+        while self.next_eval <= train_s:
+            self.next_eval += self.eval_every_s
+        return gap <= min(B2_GAPS)
+
+    def result(self) -> dict:
+        return {
+            "curve": self.curve,
+            "time_to_gap": self.time_to_gap,
+            "best_gap": self.best_gap,
+            "floor": self.floor,
+        }

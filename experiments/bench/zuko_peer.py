@@ -44,8 +44,6 @@ evaluation. zuko's error norm is a max over the chunk, so the chunk size changes
 evaluation's step count slightly (not its tolerance).
 """
 
-import math
-import os
 import time
 
 import common
@@ -67,16 +65,9 @@ NOTES = (
 )
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _setup_torch(seed: int, threads: int | None) -> int:
     """Seed torch and set its intra-op threads (default: one per available core)."""
-    threads = _cores() if threads is None else threads
+    threads = common.cores() if threads is None else threads
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     return threads
@@ -199,8 +190,7 @@ def zuko_b2(
     Besides the curve, `time_to_gap` (training seconds at the first evaluation within
     each gap, or None), `best_gap` and `steps`, it returns the `floor` and the test
     set's own mean NLL under the true density (`test_true_nll`)."""
-    if dataset not in common.B2_FLOOR:
-        raise ValueError(f"dataset must be one of {sorted(common.B2_FLOOR)}.")
+    tracker = common.QualityCurve(dataset, eval_every_s)
     threads = _setup_torch(seed, threads)
     flow = _make_flow(exact=False)
     eval_flow = _make_flow(exact=True).eval()  # takes `flow`'s weights at each eval
@@ -213,16 +203,10 @@ def zuko_b2(
     )
     x_test = torch.from_numpy(x_test_np)
     true_nll = -float(np.mean(np.asarray(toy_log_prob(dataset, x_test_np))))
-    floor = common.B2_FLOOR[dataset]
-    gaps = sorted(common.B2_GAPS, reverse=True)
     key = jax.random.key(seed)
     _batch(dataset, jax.random.fold_in(key, 2**31 - 1), batch)  # warm the sampler
 
-    curve: list[tuple[float, float]] = []
-    time_to_gap: dict[float, float | None] = dict.fromkeys(gaps)
-    best_gap = math.inf
     train_s = 0.0
-    next_eval = eval_every_s
     steps = 0
     try:
         while train_s < budget_s:
@@ -231,18 +215,9 @@ def zuko_b2(
             _train_step(flow, opt, x, counter)
             train_s += time.perf_counter() - t0
             steps += 1
-            if train_s >= next_eval or train_s >= budget_s:
+            if tracker.due(train_s, budget_s):
                 eval_flow.load_state_dict(flow.state_dict())
-                nll = _test_nll(eval_flow, x_test, eval_batch)
-                curve.append((train_s, nll))
-                gap = nll - floor
-                best_gap = min(best_gap, gap)
-                for g in gaps:
-                    if time_to_gap[g] is None and gap <= g:
-                        time_to_gap[g] = train_s
-                while next_eval <= train_s:
-                    next_eval += eval_every_s
-                if gap <= min(gaps):
+                if tracker.record(train_s, _test_nll(eval_flow, x_test, eval_batch)):
                     break
     finally:
         counter.remove()
@@ -252,11 +227,8 @@ def zuko_b2(
         "dataset": dataset,
         "solver": SOLVER,
         "notes": NOTES + " Trained with Hutchinson; test NLL with the exact trace.",
-        "curve": curve,
-        "time_to_gap": time_to_gap,
-        "best_gap": best_gap,
+        **tracker.result(),
         "steps": steps,
-        "floor": floor,
         "test_true_nll": true_nll,
         "threads": threads,
     }
