@@ -72,10 +72,9 @@ def _check_samples(data, name: str, event_shape: tuple[int, ...]) -> Array:
 def _discrete_adjoints(flow: AbstractFlow) -> bool:
     """Whether every block differentiates its solve by backpropagating through the
     solver's steps (so that backward evaluations can be counted)."""
-    blocks = flow.blocks if isinstance(flow, Chain) else (flow,)
     return all(
         isinstance(b, CNF) and not isinstance(b.adjoint, diffrax.BacksolveAdjoint)
-        for b in blocks
+        for b in _blocks(flow)
     )
 
 
@@ -86,7 +85,18 @@ def _batch_sampler(
         # One small draw up front, so that a generator of the wrong shape or dtype
         # fails here with a clear message rather than inside the compiled step.
         _check_samples(data(jr.key(0), 2), f"{name}(key, batch_size)", event_shape)
-        return data
+
+        def checked(key, batch_size):
+            # Generated batches are checked as they come (an array is checked once,
+            # above): a bad one stops the step before any update.
+            batch = data(key, batch_size)
+            return eqx.error_if(
+                batch,
+                jnp.any(~jnp.isfinite(batch)),
+                "a training batch contains NaN or inf; clean the data first.",
+            )
+
+        return checked
     data = _check_samples(data, name, event_shape)
 
     def sample(key, batch_size):
@@ -106,11 +116,14 @@ def _all_finite(tree) -> Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def _blocks(flow: AbstractFlow) -> tuple[AbstractFlow, ...]:
+    return flow.blocks if isinstance(flow, Chain) else (flow,)
+
+
 def _solver_settings(flow: AbstractFlow) -> str:
-    blocks = flow.blocks if isinstance(flow, Chain) else (flow,)
     parts = {
         f"rtol={b.rtol}, atol={b.atol}, max_steps={b.max_steps}"
-        for b in blocks
+        for b in _blocks(flow)
         if isinstance(b, CNF)
     }
     return "; ".join(sorted(parts)) or "see the flow's blocks"
@@ -265,11 +278,6 @@ def fit(
     def step(i, params, opt_state, failures):
         data_key, probe_key = jr.split(jr.fold_in(key, i))
         batch = sampler(data_key, batch_size)
-        batch = eqx.error_if(
-            batch,
-            jnp.any(~jnp.isfinite(batch)),
-            "a training batch contains NaN or inf; clean the data first.",
-        )
         counter = jnp.zeros((), batch.dtype) if count_backward else None
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
         (loss, nfe), (grads, nfe_backward) = grad_fn(params, counter, batch, probe_key)

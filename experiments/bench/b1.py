@@ -39,11 +39,12 @@ def make_flow(estimator: str, solver: str = "tsit5", seed: int = 0) -> cnftrace.
         solver=SOLVERS[solver](),
         rtol=common.B1_TOL,
         atol=common.B1_TOL,
-        estimator=_estimator(estimator),
+        estimator=make_estimator(estimator),
     )
 
 
-def _estimator(name: str) -> cnftrace.AbstractEstimator:
+def make_estimator(name: str) -> cnftrace.AbstractEstimator:
+    """B1's estimators by name: one Rademacher probe, or the exact trace."""
     if name == "exact":
         return cnftrace.Exact()
     if name == "hutchinson":
@@ -77,7 +78,7 @@ def cnftrace_b1(
         steps=iters,
         batch_size=batch,
         optimizer=optax.adam(common.B1_LR),
-        estimator=_estimator(estimator),
+        estimator=make_estimator(estimator),
         progress=False,
         on_log=lambda record: stamps.append(time.perf_counter()),
     )

@@ -28,6 +28,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+import b1
+import common
 import diffrax
 import equinox as eqx
 import jax
@@ -39,11 +41,10 @@ import cnftrace
 from cnftrace.datasets import toy_sample
 
 DTYPE = jnp.float32
-WIDTH = 64
-DEPTH = 3
-T1 = 0.5
-TOL = 1e-5
-LR = 1e-3
+WIDTH = common.B1_WIDTH
+DEPTH = common.B1_DEPTH
+T1 = common.B1_T1
+LR = common.B1_LR
 ADJOINTS = {
     "recursive_checkpoint": diffrax.RecursiveCheckpointAdjoint,
     "direct": diffrax.DirectAdjoint,
@@ -56,12 +57,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # ---------------------------------------------------------------------- helpers
 
 
-def _estimator(name: str) -> cnftrace.AbstractEstimator:
-    if name == "hutchinson":
-        return cnftrace.Hutchinson(1, "rademacher")
-    if name == "exact":
-        return cnftrace.Exact()
-    raise ValueError(f"`estimator` must be 'hutchinson' or 'exact'; got {name!r}.")
+_estimator = b1.make_estimator
 
 
 def _field(dim: int, width: int, depth: int, seed: int) -> cnftrace.ConcatSquashMLP:
@@ -190,13 +186,6 @@ def divergence_growth(rows: list[dict]) -> dict:
 # ------------------------------------------------- 2. step time against batch
 
 
-def _b1_flow(estimator: str, seed: int) -> cnftrace.CNF:
-    field = _field(2, WIDTH, DEPTH, seed)
-    return cnftrace.CNF(
-        field, dim=2, t1=T1, rtol=TOL, atol=TOL, estimator=_estimator(estimator)
-    )
-
-
 def _training_step(static, optimizer, dataset: str, batch: int):
     """B1's step for `batch` samples: draw a batch, value and gradient of the mean
     NLL (with the forward NFE), Adam update."""
@@ -241,7 +230,7 @@ def step_time_vs_batch(
     wall microseconds per sample, the mean (min, max) forward NFE, and the first
     call's wall time (tracing and compilation included).
     """
-    flow = _b1_flow(estimator, seed)
+    flow = b1.make_flow(estimator, seed=seed)
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     optimizer = optax.adam(LR)
     opt_state = optimizer.init(params)
