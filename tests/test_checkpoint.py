@@ -42,8 +42,10 @@ def test_resume_after_sigkill_gives_the_same_losses(tmp_path):
     assert len(reference) == 40
 
     run_dir, log = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    # 0.1 s a step: 30 steps left after step 10 take 3 s, far longer than the 50 ms
+    # between polls, so the kill lands mid-run even on a fast, idle machine.
     proc = subprocess.Popen(
-        [sys.executable, SCRIPT, run_dir, log, "40"],
+        [sys.executable, SCRIPT, run_dir, log, "40", "0.1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

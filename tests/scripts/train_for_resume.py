@@ -1,11 +1,15 @@
 """Trains a tiny flow with checkpoints; used by test_checkpoint.py as a real process
 that is killed with SIGKILL and resumed.
 
-    python train_for_resume.py RUN_DIR LOG_FILE [STEPS]
+    python train_for_resume.py RUN_DIR LOG_FILE [STEPS] [SECONDS_PER_STEP]
+
+SECONDS_PER_STEP (default 0) adds a pause after each logged step, so that a test can
+kill the process mid-run however fast the machine is; it does not change the losses.
 """
 
 import json
 import sys
+import time
 
 import jax.random as jr
 import optax
@@ -16,6 +20,7 @@ import cnftrace
 def main():
     run_dir, log_file = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+    pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     field = cnftrace.ConcatSquashMLP(2, width=8, depth=1, key=jr.key(0))
     flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-4, atol=1e-4)
 
@@ -27,6 +32,7 @@ def main():
         def on_log(record):
             log.write(json.dumps(record) + "\n")
             log.flush()
+            time.sleep(pause)
 
         _, history = cnftrace.fit(
             flow,
