@@ -14,6 +14,7 @@ from ._flow import (
     CNF as CNF,
     AbstractFlow as AbstractFlow,
     Chain as Chain,
+    Regularization as Regularization,
     SolveStats as SolveStats,
     make_flow as make_flow,
 )

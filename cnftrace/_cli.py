@@ -10,6 +10,7 @@ Each training run lives in its own directory:
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -56,7 +57,14 @@ _ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.
 _MODEL_KEYS = (
     "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
     "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
+    "kinetic_energy", "jacobian_norm", "learn_t1",
 )  # fmt: skip
+# Values of settings added after a run's config may have been written.
+_LATER_KEYS = {"kinetic_energy": 0.0, "jacobian_norm": 0.0, "learn_t1": False}
+
+
+def _with_defaults(config: dict) -> dict:
+    return {**_LATER_KEYS, **config}
 
 
 def build_flow(config: dict, key, dim: int) -> AbstractFlow:
@@ -71,6 +79,7 @@ def build_flow(config: dict, key, dim: int) -> AbstractFlow:
             solver=_SOLVERS[config["solver"]](),
             rtol=config["rtol"],
             atol=config["atol"],
+            learn_t1=config.get("learn_t1", False),
         )
         for k in keys
     ]
@@ -102,7 +111,7 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
             "Create one with `cnftrace train --run-dir DIR`."
         )
     with open(path) as f:
-        config = json.load(f)
+        config = _with_defaults(json.load(f))
     source = get_source(config["data"])
     flow = build_flow(config, jr.key(config["seed"]), source.dim)
     params, static = eqx.partition(flow, eqx.is_inexact_array)
@@ -116,6 +125,8 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
             config["batch_size"],
             _train_estimator(config),
             {k: config[k] for k in _MODEL_KEYS},
+            config["kinetic_energy"],
+            config["jacobian_norm"],
         ),
         warn=lambda m: print(f"warning: {m}", file=sys.stderr),
     )
@@ -147,7 +158,7 @@ def cmd_train(args) -> int:
     config_path = os.path.join(args.run_dir, "config.json")
     if os.path.exists(config_path):
         with open(config_path) as f:
-            old = json.load(f)
+            old = _with_defaults(json.load(f))
         diffs = [k for k in _MODEL_KEYS if old.get(k) != config[k]]
         if diffs:
             raise SystemExit(
@@ -197,6 +208,8 @@ def cmd_train(args) -> int:
             on_log=on_log,
             validation=source.validation,
             validate_every=args.checkpoint_every,
+            kinetic_weight=args.kinetic_energy,
+            jacobian_weight=args.jacobian_norm,
         )
     print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
     return 0
@@ -327,6 +340,25 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=3, help="hidden layers per block")
     p.add_argument("--activation", default="tanh", choices=sorted(_ACTIVATIONS))
     p.add_argument("--t1", type=float, default=0.5, help="integration time")
+    p.add_argument(
+        "--learn-t1",
+        action="store_true",
+        help="train the integration time too (FFJORD's train_T), starting at --t1",
+    )
+    p.add_argument(
+        "--kinetic-energy",
+        type=float,
+        default=0.0,
+        metavar="WEIGHT",
+        help="RNODE weight of the kinetic energy integral (0: off)",
+    )
+    p.add_argument(
+        "--jacobian-norm",
+        type=float,
+        default=0.0,
+        metavar="WEIGHT",
+        help="RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
+    )
     p.add_argument("--solver", default="tsit5", choices=sorted(_SOLVERS))
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-5)
@@ -372,6 +404,12 @@ def main(argv=None) -> int:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1.")
+    for name in ("kinetic_energy", "jacobian_norm"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise SystemExit(
+                f"error: --{name.replace('_', '-')} must be a finite weight >= 0."
+            )
     jnp.zeros(())
     try:
         return args.func(args)

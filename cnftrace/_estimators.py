@@ -67,6 +67,24 @@ class AbstractEstimator(eqx.Module):
         sample: shape `(num_probes, *y.shape)`, or `None`.
         """
 
+    def estimate_with_jacobian_norm(
+        self,
+        fn: Callable[[Array], Array],
+        y: Array,
+        probes: Array | None,
+    ) -> tuple[Array, Float[Array, ""], Float[Array, ""]]:
+        """Returns `(fn(y), trace estimate, squared Frobenius norm estimate)` of
+        `J = d fn / d y` for one sample, both from the same Jacobian-vector products
+        (no extra evaluations of `fn`): RNODE's Jacobian regulariser.
+
+        Estimators that do not support it raise `NotImplementedError`.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not estimate the Jacobian's Frobenius norm; "
+            "use `cnftrace.Exact()` or `cnftrace.Hutchinson()` for Jacobian "
+            "regularisation."
+        )
+
 
 def _check_floating(y: Array, name: str) -> None:
     if not jnp.issubdtype(y.dtype, jnp.inexact):
@@ -74,6 +92,16 @@ def _check_floating(y: Array, name: str) -> None:
             f"`{name}` has dtype {y.dtype}, but divergences and traces need a floating "
             f"dtype; convert it first, e.g. `{name}.astype(jnp.float32)`."
         )
+
+
+def _jvps(fn, y, tangents):
+    """`(fn(y), [J v for v in tangents])`: one forward-mode pass per tangent, batched,
+    with the primal output computed once."""
+
+    def jvp(v):
+        return jax.jvp(fn, (y,), (v,))
+
+    return jax.vmap(jvp, out_axes=(None, 0))(tangents)
 
 
 class Exact(AbstractEstimator):
@@ -90,17 +118,19 @@ class Exact(AbstractEstimator):
         return None
 
     def estimate(self, fn, y, probes=None):
+        # The unused norm is removed by XLA's dead-code elimination under `jit`.
+        fy, div, _ = self.estimate_with_jacobian_norm(fn, y, probes)
+        return fy, div
+
+    def estimate_with_jacobian_norm(self, fn, y, probes=None):
         del probes
         size = y.size
         basis = jnp.eye(size, dtype=y.dtype).reshape((size,) + y.shape)
-
-        def jvp(v):
-            return jax.jvp(fn, (y,), (v,))
-
-        fy, columns = jax.vmap(jvp, out_axes=(None, 0))(basis)
-        # columns[i] = J e_i; the trace is the sum of the i-th entry of each.
-        div = jnp.trace(columns.reshape(size, size))
-        return fy, div
+        fy, columns = _jvps(fn, y, basis)
+        # columns[i] = J e_i: the trace sums the i-th entry of each column, the
+        # squared Frobenius norm every entry's square.
+        columns = columns.reshape(size, size)
+        return fy, jnp.trace(columns), jnp.sum(columns**2)
 
 
 class Hutchinson(AbstractEstimator):
@@ -168,7 +198,7 @@ class Hutchinson(AbstractEstimator):
         norm = jnp.sqrt(jnp.sum(noise**2, axis=axes, keepdims=True))
         return noise * (math.sqrt(size) / norm)
 
-    def estimate(self, fn, y, probes):
+    def _check_probes(self, y, probes):
         if probes is None:
             raise ValueError(
                 "`Hutchinson.estimate` needs probes; draw them with `Hutchinson.draw`."
@@ -180,13 +210,19 @@ class Hutchinson(AbstractEstimator):
                 f"{(self.num_probes,) + y.shape}."
             )
 
-        def jvp(v):
-            return jax.jvp(fn, (y,), (v,))
+    def estimate(self, fn, y, probes):
+        # The unused norm is removed by XLA's dead-code elimination under `jit`.
+        fy, div, _ = self.estimate_with_jacobian_norm(fn, y, probes)
+        return fy, div
 
-        fy, jvps = jax.vmap(jvp, out_axes=(None, 0))(probes)
+    def estimate_with_jacobian_norm(self, fn, y, probes):
+        # E[|J eps|^2] = tr(J^T J E[eps eps^T]) = |J|_F^2 for any probe with
+        # E[eps eps^T] = I: the Frobenius estimate reuses the trace's JVPs.
+        self._check_probes(y, probes)
+        fy, jvps = _jvps(fn, y, probes)
         axes = tuple(range(1, probes.ndim))
         div = jnp.mean(jnp.sum(probes * jvps, axis=axes))
-        return fy, div
+        return fy, div, jnp.mean(jnp.sum(jvps**2, axis=axes))
 
 
 def divergence(

@@ -71,6 +71,12 @@ def _evals_per_step(solver: diffrax.AbstractSolver) -> tuple[int, int] | None:
     return None
 
 
+def _state_and_log_density_norm(y) -> Array:
+    """The error norm of a regularised solve: `max_rms_norm` over the state and the
+    log-density only, leaving RNODE's integrals out of step-size control."""
+    return max_rms_norm(y[:2])
+
+
 def _standard_normal_log_prob(z: Array, event_ndim: int) -> Array:
     axes = tuple(range(z.ndim - event_ndim, z.ndim))
     size = math.prod(z.shape[z.ndim - event_ndim :])
@@ -121,6 +127,62 @@ def _need_key(key, estimators: Sequence[AbstractEstimator]) -> None:
         )
 
 
+class Regularization(eqx.Module):
+    """RNODE's integrals along each sample's trajectory (Finlay et al. 2020), summed
+    over the blocks of a flow.
+
+    - `kinetic`: `integral |f(t, z)|^2 dt`, shape `(n,)`.
+    - `jacobian`: `integral |df/dz|_F^2 dt`, shape `(n,)`, estimated from the same
+        probes as the divergence (exact with [`Exact`][cnftrace.Exact]).
+    """
+
+    kinetic: Float[Array, " n"]
+    jacobian: Float[Array, " n"]
+
+    def __add__(self, other: "Regularization") -> "Regularization":
+        return Regularization(
+            self.kinetic + other.kinetic, self.jacobian + other.jacobian
+        )
+
+
+def _validate_context(
+    context, context_dim: int | None, n: int, unbatched: bool
+) -> Array | None:
+    """`context` as an array of shape `(n, context_dim)`, or a clear error."""
+    if context_dim is None:
+        if context is not None:
+            raise ValueError(
+                "this flow is not conditional, so it takes no `context`; build its "
+                "blocks with `context_dim=...` (and a vector field that takes the "
+                "context as its `args`) to condition on one."
+            )
+        return None
+    if context is None:
+        raise ValueError(
+            f"this flow is conditional (context_dim={context_dim}) and needs "
+            f"`context`: an array of shape ({context_dim},) for all samples, or "
+            f"(n, {context_dim}) with one row per sample."
+        )
+    context = jnp.asarray(context)
+    if not jnp.issubdtype(context.dtype, jnp.floating):
+        raise TypeError(
+            f"`context` has dtype {context.dtype}; a context must be floating point "
+            "(one-hot encode labels, e.g. `jax.nn.one_hot(labels, num_classes)`)."
+        )
+    if context.shape == (context_dim,):
+        context = jnp.broadcast_to(context, (n, context_dim))
+    elif unbatched or context.shape != (n, context_dim):
+        want = f"({context_dim},)" + ("" if unbatched else f" or ({n}, {context_dim})")
+        raise ValueError(
+            f"`context` has shape {context.shape}; this call needs shape {want}."
+        )
+    return eqx.error_if(
+        context,
+        jnp.any(~jnp.isfinite(context)),
+        "`context` contains NaN or inf; pass finite contexts.",
+    )
+
+
 class AbstractFlow(eqx.Module):
     """A normalizing flow over a standard-normal base, built from CNF blocks.
 
@@ -131,6 +193,12 @@ class AbstractFlow(eqx.Module):
     @abc.abstractmethod
     def event_shape(self) -> tuple[int, ...]:
         """The shape of one sample."""
+
+    @property
+    def context_dim(self) -> int | None:
+        """The size of the context vector of a conditional flow; `None` if the flow
+        is not conditional."""
+        return None
 
     @abc.abstractmethod
     def estimators(self) -> tuple[AbstractEstimator, ...]:
@@ -149,16 +217,22 @@ class AbstractFlow(eqx.Module):
         log_det: bool,
         key: Key | None,
         counter: Float[Array, ""] | None = None,
-    ) -> tuple[Array, Array | None, SolveStats]:
-        """Maps a batch through the flow (data to base, or base to data if `inverse`).
+        context: Float[Array, "batch context"] | None = None,
+        regularize: bool = False,
+    ) -> tuple[Array, Array | None, SolveStats, Regularization | None]:
+        """Maps a checked batch through the flow (data to base, or base to data if
+        `inverse`).
 
-        Returns `(y, log_det, stats)`, where `log_det` is `log|det dy/dx|` of the map
-        that was applied (or `None` when `log_det=False`: then no divergence is
-        computed at all, which is much cheaper).
+        Returns `(y, log_det, stats, regularization)`, where `log_det` is
+        `log|det dy/dx|` of the map that was applied (or `None` when `log_det=False`:
+        then no divergence is computed at all, which is much cheaper), and
+        `regularization` the [`Regularization`][cnftrace.Regularization] integrals
+        when `regularize=True` (which needs `log_det=True`), else `None`.
 
         `counter` (with `log_det=True`): a float scalar whose gradient counts the
         backward evaluations of the blocks' vector fields (see
-        [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]).
+        [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]). `context`: one row per
+        sample, for conditional flows.
         """
 
     # ------------------------------------------------------------------ public API
@@ -167,6 +241,7 @@ class AbstractFlow(eqx.Module):
         self,
         x: Float[Array, "*batch event"],
         *,
+        context: Float[Array, "*batch context"] | None = None,
         key: Key | None = None,
         return_stats: bool = False,
     ):
@@ -175,6 +250,9 @@ class AbstractFlow(eqx.Module):
         **Arguments:**
 
         - `x`: one sample of shape `event_shape` or a batch `(n, *event_shape)`.
+        - `context`: for a conditional flow, the context: shape `(context_dim,)` for
+            all samples, or `(n, context_dim)`, one row per sample. The density is
+            then `p(x | context)`.
         - `key`: a PRNG key, required when a block uses a stochastic estimator.
         - `return_stats`: also return the [`SolveStats`][cnftrace.SolveStats].
 
@@ -184,37 +262,77 @@ class AbstractFlow(eqx.Module):
         `(log_prob, stats)`.
         """
         x, unbatched = _validate_input(x, self.event_shape, "x")
+        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
         _need_key(key, self.estimators())
-        out, stats = self._batch_log_prob(x, key)
+        out, stats = self._batch_log_prob(x, key, context=context)
         out = out[0] if unbatched else out
         return (out, stats) if return_stats else out
 
-    def _batch_log_prob(self, x, key, counter=None) -> tuple[Array, SolveStats]:
-        """`log_prob` of a checked batch `x`, with the solver statistics; `counter`
-        as in [`transform`][cnftrace.AbstractFlow.transform]."""
-        z, log_det, stats = self.transform(
-            x, inverse=False, log_det=True, key=key, counter=counter
+    def log_prob_and_regularization(
+        self,
+        x: Float[Array, "n event"],
+        *,
+        context: Float[Array, "n context"] | None = None,
+        key: Key | None = None,
+    ) -> tuple[Float[Array, " n"], "Regularization", SolveStats]:
+        """`log_prob` of a batch together with RNODE's regularisation integrals
+        (kinetic energy and Jacobian Frobenius norm) from the same solves, at no
+        extra evaluations of the vector field.
+
+        **Returns:**
+
+        `(log_prob, regularization, stats)` with a
+        [`Regularization`][cnftrace.Regularization] of per-sample integrals.
+        """
+        x, unbatched = _validate_input(x, self.event_shape, "x")
+        if unbatched:
+            raise ValueError(f"`x` must be a batch of shape (n, *{self.event_shape}).")
+        context = _validate_context(context, self.context_dim, x.shape[0], False)
+        _need_key(key, self.estimators())
+        return self._batch_log_prob(x, key, context=context, regularize=True)
+
+    def _batch_log_prob(
+        self, x, key, counter=None, *, context=None, regularize: bool = False
+    ):
+        """`log_prob` of a checked batch `x` with the solver statistics, and with
+        `regularize` also the [`Regularization`][cnftrace.Regularization] between
+        them; `counter` as in [`transform`][cnftrace.AbstractFlow.transform]."""
+        z, log_det, stats, reg = self.transform(
+            x,
+            inverse=False,
+            log_det=True,
+            key=key,
+            counter=counter,
+            context=context,
+            regularize=regularize,
         )
-        return _standard_normal_log_prob(z, len(self.event_shape)) + log_det, stats
+        logp = _standard_normal_log_prob(z, len(self.event_shape)) + log_det
+        return (logp, reg, stats) if regularize else (logp, stats)
 
     def sample(
         self,
         key: Key,
         n: int,
         *,
+        context: Float[Array, "*n context"] | None = None,
         dtype=None,
         return_stats: bool = False,
     ):
         """Draws `n` samples: base noise mapped through the inverse flow.
 
         No divergence is computed, so this costs a plain ODE solve per block.
+        `context` (conditional flows): shape `(context_dim,)` for all samples, or
+        `(n, context_dim)`.
 
         **Returns:**
 
         An array of shape `(n, *event_shape)`; with `return_stats`, a pair.
         """
         z = self._base_sample(key, n, dtype)
-        x, _, stats = self.transform(z, inverse=True, log_det=False, key=None)
+        context = _validate_context(context, self.context_dim, n, False)
+        x, _, stats, _ = self.transform(
+            z, inverse=True, log_det=False, key=None, context=context
+        )
         return (x, stats) if return_stats else x
 
     def sample_and_log_prob(
@@ -222,6 +340,7 @@ class AbstractFlow(eqx.Module):
         key: Key,
         n: int,
         *,
+        context: Float[Array, "*n context"] | None = None,
         dtype=None,
         return_stats: bool = False,
     ):
@@ -233,25 +352,32 @@ class AbstractFlow(eqx.Module):
         """
         base_key, probe_key = jr.split(key)
         z = self._base_sample(base_key, n, dtype)
-        x, log_det, stats = self.transform(z, inverse=True, log_det=True, key=probe_key)
+        context = _validate_context(context, self.context_dim, n, False)
+        x, log_det, stats, _ = self.transform(
+            z, inverse=True, log_det=True, key=probe_key, context=context
+        )
         logp = _standard_normal_log_prob(z, len(self.event_shape)) - log_det
         return (x, logp, stats) if return_stats else (x, logp)
 
-    def forward(self, x, *, return_stats: bool = False):
+    def forward(self, x, *, context=None, return_stats: bool = False):
         """Maps data `x` (one sample or a batch) to the base space."""
-        return self._map(x, inverse=False, return_stats=return_stats, name="x")
+        return self._map(x, False, context, return_stats, "x")
 
-    def inverse(self, z, *, return_stats: bool = False):
+    def inverse(self, z, *, context=None, return_stats: bool = False):
         """Maps base-space points `z` (one sample or a batch) to data space."""
-        return self._map(z, inverse=True, return_stats=return_stats, name="z")
+        return self._map(z, True, context, return_stats, "z")
 
-    def forward_and_log_det(self, x, *, key=None, return_stats: bool = False):
+    def forward_and_log_det(
+        self, x, *, context=None, key=None, return_stats: bool = False
+    ):
         """`(z, log|det dz/dx|)` for data `x`."""
-        return self._map_and_log_det(x, False, key, return_stats, "x")
+        return self._map_and_log_det(x, False, context, key, return_stats, "x")
 
-    def inverse_and_log_det(self, z, *, key=None, return_stats: bool = False):
+    def inverse_and_log_det(
+        self, z, *, context=None, key=None, return_stats: bool = False
+    ):
         """`(x, log|det dx/dz|)` for base-space points `z`."""
-        return self._map_and_log_det(z, True, key, return_stats, "z")
+        return self._map_and_log_det(z, True, context, key, return_stats, "z")
 
     # ------------------------------------------------------------------ helpers
 
@@ -261,16 +387,22 @@ class AbstractFlow(eqx.Module):
         dtype = jnp.result_type(float) if dtype is None else dtype
         return jr.normal(key, (n,) + self.event_shape, dtype)
 
-    def _map(self, x, *, inverse, return_stats, name):
+    def _map(self, x, inverse, context, return_stats, name):
         x, unbatched = _validate_input(x, self.event_shape, name)
-        y, _, stats = self.transform(x, inverse=inverse, log_det=False, key=None)
+        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
+        y, _, stats, _ = self.transform(
+            x, inverse=inverse, log_det=False, key=None, context=context
+        )
         y = y[0] if unbatched else y
         return (y, stats) if return_stats else y
 
-    def _map_and_log_det(self, x, inverse, key, return_stats, name):
+    def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
         x, unbatched = _validate_input(x, self.event_shape, name)
+        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
         _need_key(key, self.estimators())
-        y, log_det, stats = self.transform(x, inverse=inverse, log_det=True, key=key)
+        y, log_det, stats, _ = self.transform(
+            x, inverse=inverse, log_det=True, key=key, context=context
+        )
         if unbatched:
             y, log_det = y[0], log_det[0]
         return (y, log_det, stats) if return_stats else (y, log_det)
@@ -304,6 +436,13 @@ class CNF(AbstractFlow):
         is a PI controller: on FFJORD's toy model it rejected fewer steps and needed
         8-15% fewer evaluations over training than the integral controller `(0, 1)`.
     - `args`: passed to `vector_field` as its `args`.
+    - `context_dim`: makes the flow conditional on a context vector of this size
+        (FFJORD-style conditioning on a class embedding or features). Each sample's
+        vector field is then called as `f(t, z, context)` with its own context, and
+        `log_prob`, `sample` and the maps take `context=`; `args` must be `None`.
+    - `learn_t1`: make the end time a trainable parameter (FFJORD's `train_T`),
+        kept positive as `t1 = t0 + exp(log_span)` and initialised at `t1`. Read it as
+        `flow.t1`.
 
     !!! example
 
@@ -318,7 +457,7 @@ class CNF(AbstractFlow):
     vector_field: VectorField
     shape: tuple[int, ...] = eqx.field(static=True)
     t0: float
-    t1: float
+    _end: float | Float[Array, ""]
     solver: diffrax.AbstractAdaptiveSolver
     rtol: float
     atol: float
@@ -329,6 +468,8 @@ class CNF(AbstractFlow):
     pcoeff: float
     icoeff: float
     args: object
+    context_size: int | None = eqx.field(static=True)
+    learn_t1: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -347,6 +488,8 @@ class CNF(AbstractFlow):
         pcoeff: float = 0.4,
         icoeff: float = 0.3,
         args=None,
+        context_dim: int | None = None,
+        learn_t1: bool = False,
     ):
         if not callable(vector_field):
             raise TypeError(
@@ -375,6 +518,29 @@ class CNF(AbstractFlow):
             or (max_steps < 1)
         ):
             raise ValueError(f"`max_steps` must be a positive int; got {max_steps!r}.")
+        if context_dim is not None and (
+            isinstance(context_dim, bool)
+            or not isinstance(context_dim, int)
+            or context_dim < 1
+        ):
+            raise ValueError(
+                f"`context_dim` must be a positive int or None; got {context_dim!r}."
+            )
+        if context_dim is not None and args is not None:
+            raise ValueError(
+                "a conditional flow passes each sample's context to the vector field "
+                "as its `args`, so `args` must be None; put constants in the vector "
+                "field itself."
+            )
+        if not isinstance(learn_t1, bool):
+            raise TypeError(f"`learn_t1` must be a bool; got {learn_t1!r}.")
+        if learn_t1 and not (
+            isinstance(t0, (int, float)) and isinstance(t1, (int, float))
+        ):
+            raise TypeError(
+                "with `learn_t1=True`, `t0` and `t1` must be Python numbers (the "
+                "initial end time); the flow then holds the span as a parameter."
+            )
         estimator = Exact() if estimator is None else estimator
         if not isinstance(estimator, AbstractEstimator):
             raise TypeError(
@@ -384,7 +550,8 @@ class CNF(AbstractFlow):
         self.vector_field = vector_field
         self.shape = shape
         self.t0 = t0
-        self.t1 = t1
+        # With `learn_t1`, `_end` holds log(t1 - t0), a trainable array.
+        self._end = jnp.asarray(math.log(t1 - t0)) if learn_t1 else t1
         self.solver = diffrax.Tsit5() if solver is None else solver
         self.rtol = rtol
         self.atol = atol
@@ -397,10 +564,21 @@ class CNF(AbstractFlow):
         self.pcoeff = pcoeff
         self.icoeff = icoeff
         self.args = args
+        self.context_size = context_dim
+        self.learn_t1 = learn_t1
+
+    @property
+    def t1(self):
+        """The end time: a float, or with `learn_t1` a scalar array (trainable)."""
+        return self.t0 + jnp.exp(self._end) if self.learn_t1 else self._end
 
     @property
     def event_shape(self) -> tuple[int, ...]:
         return self.shape
+
+    @property
+    def context_dim(self) -> int | None:
+        return self.context_size
 
     def estimators(self):
         return (self.estimator,)
@@ -423,17 +601,41 @@ class CNF(AbstractFlow):
             )
         return adjoint
 
-    def transform(self, x, *, inverse, log_det, key, counter=None):
+    def transform(
+        self,
+        x,
+        *,
+        inverse,
+        log_det,
+        key,
+        counter=None,
+        context=None,
+        regularize=False,
+    ):
+        if regularize and not log_det:
+            raise ValueError("`regularize=True` needs `log_det=True`.")
+        if (context is None) != (self.context_size is None):
+            raise ValueError(
+                "`context` must be given exactly when the flow is conditional "
+                f"(context_dim={self.context_size})."
+            )
         event_ndim = len(self.shape)
         if log_det:
-            term = CNFTerm(self.vector_field, self.estimator, event_ndim)
+            term = CNFTerm(self.vector_field, self.estimator, event_ndim, regularize)
             y0 = term.initial_state(x)
-            args = term.make_args(x, key=key, args=self.args, counter=counter)
+            args = term.make_args(
+                x, key=key, args=self.args, counter=counter, context=context
+            )
         else:
-            term = StateTerm(self.vector_field, event_ndim)
+            term = StateTerm(self.vector_field, event_ndim, context is not None)
             y0 = x
-            args = self.args
-        t_start, t_end = (self.t1, self.t0) if inverse else (self.t0, self.t1)
+            args = self.args if context is None else context
+        t1 = self.t1
+        if self.learn_t1:
+            # A learned end time is an array; in the state's dtype it does not
+            # promote a float32 solve to float64.
+            t1 = t1.astype(x.dtype)
+        t_start, t_end = (t1, self.t0) if inverse else (self.t0, t1)
         adjoint = self._adjoint()
         # For first-same-as-last solvers the first evaluation f(t_start, y0) is made
         # here and handed to the solver as its state: the initial-step heuristic
@@ -447,7 +649,7 @@ class CNF(AbstractFlow):
             solver_state = (jnp.asarray(False), f0)
         if self.dt0 is None:
             dz0 = None if f0 is None else (f0[0] if log_det else f0)
-            dt0 = self._initial_step(t_start, t_end, x, dz0)
+            dt0 = self._initial_step(t_start, t_end, x, dz0, context)
         else:
             dt0 = -self.dt0 if inverse else self.dt0
         controller = diffrax.PIDController(
@@ -455,7 +657,9 @@ class CNF(AbstractFlow):
             atol=self.atol,
             pcoeff=self.pcoeff,
             icoeff=self.icoeff,
-            norm=max_rms_norm,
+            # The regularisation integrals are left out of error control, so a
+            # regularised solve takes the steps of a plain one.
+            norm=_state_and_log_density_norm if regularize else max_rms_norm,
         )
         sol = diffrax.diffeqsolve(
             term,
@@ -471,14 +675,19 @@ class CNF(AbstractFlow):
             max_steps=self.max_steps,
             saveat=diffrax.SaveAt(t1=True),
         )
+        reg = None
         if log_det:
-            z, delta_logp = sol.ys
+            z, delta_logp = sol.ys[:2]
             # delta_logp = log p_end(z_end) - log p_start(z_start), and
             # log|det dz_end/dz_start| = -delta_logp.
             out, ld = z[0], -delta_logp[0]
+            if regularize:
+                # Integrated backwards in time when inverse: report them positive.
+                sign = -1 if inverse else 1
+                reg = Regularization(sign * sol.ys[2][0], sign * sol.ys[3][0])
         else:
             out, ld = sol.ys[0], None
-        return out, ld, self._stats(sol)
+        return out, ld, self._stats(sol), reg
 
     def _shares_first_evaluation(self) -> bool:
         return (
@@ -487,7 +696,7 @@ class CNF(AbstractFlow):
             and not isinstance(self.adjoint, diffrax.BacksolveAdjoint)
         )
 
-    def _initial_step(self, t_start, t_end, z0, f0=None):
+    def _initial_step(self, t_start, t_end, z0, f0=None, context=None):
         """Hairer, Norsett & Wanner's starting step (Solving ODEs I, II.4) with the
         max-over-samples norm, from `f0 = f(t_start, z0)` (evaluated here if not
         given) and one more plain evaluation of the field.
@@ -496,17 +705,18 @@ class CNF(AbstractFlow):
         which costs CNF solves a few wasted steps. The step is not differentiated.
         """
         z0 = lax.stop_gradient(z0)
-        field = StateTerm(self.vector_field, len(self.shape))
+        field = StateTerm(self.vector_field, len(self.shape), context is not None)
+        args = self.args if context is None else context
         direction = jnp.sign(t_end - t_start)
         scale = self.atol + self.rtol * jnp.abs(z0)
         if f0 is None:
-            f0 = field.vf(t_start, z0, self.args)
+            f0 = field.vf(t_start, z0, args)
         f0 = lax.stop_gradient(f0)
         d0 = max_rms_norm(z0 / scale)
         d1 = max_rms_norm(f0 / scale)
         h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
         z1 = z0 + direction * h0 * f0
-        f1 = lax.stop_gradient(field.vf(t_start + direction * h0, z1, self.args))
+        f1 = lax.stop_gradient(field.vf(t_start + direction * h0, z1, args))
         d2 = max_rms_norm((f1 - f0) / scale) / h0
         order = self.solver.order(field) or 4
         h1 = jnp.where(
@@ -570,11 +780,21 @@ class Chain(AbstractFlow):
             raise ValueError(
                 f"all blocks must model samples of one shape; got shapes {shapes}."
             )
+        contexts = {b.context_dim for b in blocks}
+        if len(contexts) != 1:
+            raise ValueError(
+                "all blocks must take the same context (the same `context_dim`, or "
+                f"none); got context_dim values {contexts}."
+            )
         self.blocks = blocks
 
     @property
     def event_shape(self):
         return self.blocks[0].event_shape
+
+    @property
+    def context_dim(self):
+        return self.blocks[0].context_dim
 
     def estimators(self):
         return tuple(e for b in self.blocks for e in b.estimators())
@@ -582,21 +802,40 @@ class Chain(AbstractFlow):
     def with_estimator(self, estimator):
         return Chain([b.with_estimator(estimator) for b in self.blocks])
 
-    def transform(self, x, *, inverse, log_det, key, counter=None):
+    def transform(
+        self,
+        x,
+        *,
+        inverse,
+        log_det,
+        key,
+        counter=None,
+        context=None,
+        regularize=False,
+    ):
         blocks = self.blocks[::-1] if inverse else self.blocks
         keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
         total = jnp.zeros(x.shape[:1], x.dtype) if log_det else None
         all_stats = []
+        reg = None
         for block, k in zip(blocks, keys):
-            x, ld, stats = block.transform(
-                x, inverse=inverse, log_det=log_det, key=k, counter=counter
+            x, ld, stats, block_reg = block.transform(
+                x,
+                inverse=inverse,
+                log_det=log_det,
+                key=k,
+                counter=counter,
+                context=context,
+                regularize=regularize,
             )
             if log_det:
                 total = total + ld
+            if regularize:
+                reg = block_reg if reg is None else reg + block_reg
             all_stats.append(stats)
         if inverse:
             all_stats = all_stats[::-1]  # report stats in block order
-        return x, total, SolveStats.concatenate(all_stats)
+        return x, total, SolveStats.concatenate(all_stats), reg
 
 
 def make_flow(
@@ -611,4 +850,4 @@ def make_flow(
     return Chain([CNF(f, dim, **kwargs) for f in vector_fields])
 
 
-__all__ = ["AbstractFlow", "CNF", "Chain", "SolveStats", "make_flow"]
+__all__ = ["AbstractFlow", "CNF", "Chain", "Regularization", "SolveStats", "make_flow"]

@@ -15,14 +15,27 @@ class ConcatSquashLinear(eqx.Module):
     """FFJORD's ConcatSquash layer: a linear map of `x` gated and shifted by time,
 
     `out = (W x + b) * sigmoid(w_gate t + b_gate) + w_shift t`.
+
+    With `context_dim`, the gate and the shift are linear in `(t, context)` instead:
+    `sigmoid(w_gate t + G c + b_gate)` and `w_shift t + S c`.
     """
 
     linear: eqx.nn.Linear
     gate_weight: Float[Array, " out"]
     gate_bias: Float[Array, " out"]
     shift_weight: Float[Array, " out"]
+    gate_context: Float[Array, "out context"] | None
+    shift_context: Float[Array, "out context"] | None
 
-    def __init__(self, in_size: int, out_size: int, *, key: Key, dtype=None):
+    def __init__(
+        self,
+        in_size: int,
+        out_size: int,
+        *,
+        context_dim: int = 0,
+        key: Key,
+        dtype=None,
+    ):
         k1, k2, k3, k4 = jr.split(key, 4)
         dtype = jnp.result_type(float) if dtype is None else dtype
         self.linear = eqx.nn.Linear(in_size, out_size, key=k1, dtype=dtype)
@@ -30,11 +43,26 @@ class ConcatSquashLinear(eqx.Module):
         self.gate_weight = jr.uniform(k2, (out_size,), dtype, -1.0, 1.0)
         self.gate_bias = jr.uniform(k3, (out_size,), dtype, -1.0, 1.0)
         self.shift_weight = jr.uniform(k4, (out_size,), dtype, -1.0, 1.0)
+        if context_dim:
+            # Fan-in 1 + context_dim, as a torch Linear over (t, context) would have.
+            bound = 1.0 / (1.0 + context_dim) ** 0.5
+            shape = (out_size, context_dim)
+            k5, k6 = jr.split(jr.fold_in(key, 1), 2)
+            self.gate_context = jr.uniform(k5, shape, dtype, -bound, bound)
+            self.shift_context = jr.uniform(k6, shape, dtype, -bound, bound)
+        else:
+            self.gate_context = self.shift_context = None
 
-    def __call__(self, t, x: Float[Array, " in"]) -> Float[Array, " out"]:
+    def __call__(
+        self, t, x: Float[Array, " in"], context: Float[Array, " context"] | None = None
+    ) -> Float[Array, " out"]:
         t = jnp.asarray(t, x.dtype)
-        gate = jax.nn.sigmoid(self.gate_weight * t + self.gate_bias)
-        return self.linear(x) * gate + self.shift_weight * t
+        gate = self.gate_weight * t + self.gate_bias
+        shift = self.shift_weight * t
+        if self.gate_context is not None:
+            gate = gate + self.gate_context @ context
+            shift = shift + self.shift_context @ context
+        return self.linear(x) * jax.nn.sigmoid(gate) + shift
 
 
 class ConcatSquashMLP(eqx.Module):
@@ -51,12 +79,17 @@ class ConcatSquashMLP(eqx.Module):
         other common choice). Anything smooth: the divergence differentiates it.
     - `zero_last`: initialise the last layer to output zero, so the flow starts at the
         identity map.
+    - `context_dim`: for a conditional flow, the size of the context vector, which
+        the field then takes as its `args` (`f(t, y, context)`) and feeds to every
+        layer's gate and shift. Use the same `context_dim` for the
+        [`CNF`][cnftrace.CNF].
     - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
     """
 
     layers: tuple[ConcatSquashLinear, ...]
     activation: Callable[[Array], Array]
+    context_dim: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -66,6 +99,7 @@ class ConcatSquashMLP(eqx.Module):
         activation: Callable[[Array], Array] = jax.nn.tanh,
         *,
         zero_last: bool = False,
+        context_dim: int = 0,
         key: Key,
         dtype=None,
     ):
@@ -73,13 +107,14 @@ class ConcatSquashMLP(eqx.Module):
             ("dim", dim, 1),
             ("width", width, 1),
             ("depth", depth, 0),
+            ("context_dim", context_dim, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
         sizes = [dim] + [width] * depth + [dim]
         keys = jr.split(key, len(sizes) - 1)
         layers = [
-            ConcatSquashLinear(i, o, key=k, dtype=dtype)
+            ConcatSquashLinear(i, o, context_dim=context_dim, key=k, dtype=dtype)
             for i, o, k in zip(sizes[:-1], sizes[1:], keys)
         ]
         if zero_last:
@@ -95,10 +130,21 @@ class ConcatSquashMLP(eqx.Module):
             )
         self.layers = tuple(layers)
         self.activation = activation
+        self.context_dim = context_dim
 
     def __call__(self, t, y: Float[Array, " dim"], args=None) -> Float[Array, " dim"]:
-        del args
+        context = None
+        if self.context_dim:
+            context = args
+            if context is None or jnp.shape(context) != (self.context_dim,):
+                got = None if context is None else jnp.shape(context)
+                raise ValueError(
+                    f"this field is conditional (context_dim={self.context_dim}) and "
+                    f"takes one context vector of shape ({self.context_dim},) as its "
+                    f"`args`; got {got}. Use it in a `CNF(..., context_dim="
+                    f"{self.context_dim})`."
+                )
         h = y
         for layer in self.layers[:-1]:
-            h = self.activation(layer(t, h))
-        return self.layers[-1](t, h)
+            h = self.activation(layer(t, h, context))
+        return self.layers[-1](t, h, context)

@@ -24,12 +24,15 @@ class CNFArgs(eqx.Module):
 
     Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]. `counter`, when
     given, is a scalar whose gradient counts the backpropagated evaluations of the
-    term (see [`make_args`][cnftrace.CNFTerm.make_args]).
+    term (see [`make_args`][cnftrace.CNFTerm.make_args]). `context`, when given, holds
+    one context per sample (leading axes = the batch axes), passed to the vector field
+    of each sample as its `args` in place of `args`.
     """
 
     args: PyTree[Any]
     probes: Array | None
     counter: Float[Array, ""] | None = None
+    context: Array | None = None
 
 
 def _count_vjps(fn: Callable, counter: Array, *inputs):
@@ -80,6 +83,18 @@ class CNFTerm(ODETerm):
     applied to every sample of the batch, with the trace from `estimator`. So
     `delta_logp(t1) = log p_t1(z(t1)) - log p_t0(z(t0))`.
 
+    With `regularize=True` the state gains RNODE's two integrals (Finlay et al. 2020),
+    `(z, delta_logp, kinetic, jacobian)`, each of shape `(*batch,)`:
+
+    $$\frac{d\,\text{kinetic}}{dt} = \lVert f \rVert^2,\qquad
+    \frac{d\,\text{jacobian}}{dt} = \lVert \partial f/\partial z \rVert_F^2,$$
+
+    the Frobenius norm estimated from the *same* probes and Jacobian-vector products
+    as the divergence (`|J eps|^2`, exact with [`Exact`][cnftrace.Exact]), so they cost
+    no extra evaluations of `f`. Leave them out of the step-size control, e.g.
+    `norm=lambda y: cnftrace.max_rms_norm(y[:2])`, so that the solve takes the same
+    steps as without them.
+
     Probes are part of the solve's `args` (see
     [`make_args`][cnftrace.CNFTerm.make_args]): they are drawn once per solve and
     reused at every evaluation, so the ODE stays deterministic and adaptive solvers
@@ -109,11 +124,14 @@ class CNFTerm(ODETerm):
     - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default.
     - `event_ndim`: how many trailing dimensions of `z` make one sample (1 for vectors
         of shape `(d,)`, 3 for images of shape `(c, h, w)`).
+    - `regularize`: also integrate the kinetic energy and the Jacobian's squared
+        Frobenius norm.
     """
 
     vector_field: VectorField
     estimator: AbstractEstimator = Exact()
     event_ndim: int = eqx.field(default=1, static=True)
+    regularize: bool = eqx.field(default=False, static=True)
 
     def make_args(
         self,
@@ -122,9 +140,14 @@ class CNFTerm(ODETerm):
         key: Key | None = None,
         args=None,
         counter: Float[Array, ""] | None = None,
+        context: Array | None = None,
     ) -> CNFArgs:
         """Draws this solve's probes for the initial state `z0` and bundles them
         with the vector field's own `args`.
+
+        `context` (optional) is a per-sample conditioning array whose leading axes
+        are `z0`'s batch axes: each sample's vector field is then called as
+        `f(t, z_i, context_i)` (and `args` must be `None`).
 
         `counter` (optional) is a float scalar, usually `jnp.zeros(())`, to count
         backward evaluations: the gradient of a loss with respect to it equals the
@@ -135,48 +158,81 @@ class CNFTerm(ODETerm):
         probes = self.estimator.draw(
             key, z0.shape, z0.dtype, event_ndim=self.event_ndim
         )
-        return CNFArgs(args=args, probes=probes, counter=counter)
-
-    def initial_state(self, z0: Array) -> tuple[Array, Float[Array, " *batch"]]:
-        """`(z0, zeros)`: the augmented initial state."""
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
-        return z0, jnp.zeros(batch_shape, z0.dtype)
+        if context is not None:
+            if args is not None:
+                raise ValueError(
+                    "a conditional solve passes each sample's `context` to the vector "
+                    "field as its `args`; pass `args=None` (put constants in the "
+                    "vector field itself)."
+                )
+            _check_context(context, batch_shape)
+        return CNFArgs(args=args, probes=probes, counter=counter, context=context)
+
+    def initial_state(self, z0: Array) -> tuple[Array, ...]:
+        """`(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`: the
+        augmented initial state."""
+        batch_shape = z0.shape[: z0.ndim - self.event_ndim]
+        zeros = jnp.zeros(batch_shape, z0.dtype)
+        return (z0, zeros, zeros, zeros) if self.regularize else (z0, zeros)
 
     def vf(self, t, y, args: CNFArgs):
-        z, _ = y
+        z = y[0]
         if not isinstance(args, CNFArgs):
             raise TypeError(
                 "`CNFTerm` needs `args=term.make_args(z0, key=..., args=...)` in "
                 f"`diffeqsolve`; got args of type {type(args).__name__}."
             )
+        inputs = (self, t, z, args.args, args.probes, args.context)
         if args.counter is not None:
             # The term itself is an input (not closed over), so that gradients reach
             # the vector field's parameters through the custom VJP.
-            vf = type(self)._vf
-            return _count_vjps(vf, args.counter, self, t, z, args.args, args.probes)
-        return self._vf(t, z, args.args, args.probes)
+            return _count_vjps(type(self)._vf, args.counter, *inputs)
+        return self._vf(*inputs[1:])
 
-    def _vf(self, t, z, user_args, probes):
-        def one_sample(z_i, probes_i):
+    def _vf(self, t, z, user_args, probes, context):
+        def one_sample(z_i, probes_i, context_i):
+            field_args = user_args if context is None else context_i
+
             def fn(u):
-                return self.vector_field(t, u, user_args)
+                return self.vector_field(t, u, field_args)
 
-            dz, div = self.estimator.estimate(fn, z_i, probes_i)
-            return dz, -div
+            if not self.regularize:
+                dz, div = self.estimator.estimate(fn, z_i, probes_i)
+                return dz, -div
+            dz, div, frobenius = self.estimator.estimate_with_jacobian_norm(
+                fn, z_i, probes_i
+            )
+            return dz, -div, jnp.sum(dz**2), frobenius
 
         batch_ndim = z.ndim - self.event_ndim
-        dz, dlogp = _vmap_n(one_sample, batch_ndim, (0, 0))(z, probes)
-        return dz, dlogp.astype(z.dtype)
+        context_axis = None if context is None else 0
+        out = _vmap_n(one_sample, batch_ndim, (0, 0, context_axis))(z, probes, context)
+        return (out[0],) + tuple(o.astype(z.dtype) for o in out[1:])
+
+
+def _check_context(context, batch_shape: tuple[int, ...]) -> None:
+    if jnp.shape(context)[: len(batch_shape)] != batch_shape:
+        raise ValueError(
+            f"`context` must have one entry per sample (leading shape {batch_shape}); "
+            f"got shape {jnp.shape(context)}."
+        )
 
 
 class StateTerm(ODETerm):
     """The plain dynamics `dz/dt = f(t, z, args)` for a batch of samples, used where no
-    log-density is needed (sampling and the bare forward and inverse maps)."""
+    log-density is needed (sampling and the bare forward and inverse maps).
+
+    With `per_sample_args=True`, `args` has one entry per sample (a conditional flow's
+    context) and sample `i` gets `args[i]`.
+    """
 
     vector_field: VectorField
     event_ndim: int = eqx.field(default=1, static=True)
+    per_sample_args: bool = eqx.field(default=False, static=True)
 
     def vf(self, t, y, args):
         batch_ndim = y.ndim - self.event_ndim
-        fn = _vmap_n(lambda z_i: self.vector_field(t, z_i, args), batch_ndim, 0)
-        return fn(y)
+        axes = (0, 0 if self.per_sample_args else None)
+        fn = _vmap_n(lambda z_i, a: self.vector_field(t, z_i, a), batch_ndim, axes)
+        return fn(y, args)

@@ -78,30 +78,85 @@ def _discrete_adjoints(flow: AbstractFlow) -> bool:
     )
 
 
+def _check_contexts(context, name: str, n: int, context_dim: int | None):
+    """`context` as an array `(n, context_dim)` of finite floats (or `None` for a
+    flow that is not conditional), or a clear error."""
+    if context_dim is None:
+        if context is not None:
+            raise ValueError(
+                f"`{name}` was given, but the flow is not conditional; build it with "
+                "`context_dim=...` to condition on a context."
+            )
+        return None
+    if context is None:
+        raise ValueError(
+            f"the flow is conditional (context_dim={context_dim}); pass `{name}`, an "
+            f"array of shape (n, {context_dim}) with one row per sample."
+        )
+    context = np.asarray(context)
+    if context.shape != (n, context_dim):
+        raise ValueError(
+            f"`{name}` has shape {context.shape}; it needs one row of size "
+            f"{context_dim} per sample, shape ({n}, {context_dim})."
+        )
+    if not np.issubdtype(context.dtype, np.floating):
+        raise TypeError(
+            f"`{name}` has dtype {context.dtype}; contexts must be floating point "
+            "(one-hot encode labels, e.g. `jax.nn.one_hot(labels, k)`)."
+        )
+    if not np.isfinite(context).all():
+        raise ValueError(f"`{name}` contains NaN or inf; pass finite contexts.")
+    return jnp.asarray(context)
+
+
 def _batch_sampler(
-    data: DataSource, name: str, event_shape: tuple[int, ...]
-) -> Callable[[Key, int], Array]:
+    data: DataSource,
+    name: str,
+    event_shape: tuple[int, ...],
+    context=None,
+    context_dim: int | None = None,
+) -> Callable[[Key, int], tuple[Array, Array | None]]:
+    """A function `(key, batch_size) -> (batch, context or None)`."""
     if callable(data):
+        if context is not None:
+            raise ValueError(
+                "`context` goes with array data; a generator for a conditional flow "
+                "returns `(batch, context)` pairs itself."
+            )
+        conditional = context_dim is not None
+        what = f"{name}(key, batch_size)"
         # One small draw up front, so that a generator of the wrong shape or dtype
         # fails here with a clear message rather than inside the compiled step.
-        _check_samples(data(jr.key(0), 2), f"{name}(key, batch_size)", event_shape)
+        first = data(jr.key(0), 2)
+        if conditional and not (isinstance(first, tuple) and len(first) == 2):
+            raise ValueError(
+                f"the flow is conditional, so `{what}` must return a pair "
+                "`(batch, context)`."
+            )
+        x, c = first if conditional else (first, None)
+        _check_samples(x, what, event_shape)
+        _check_contexts(c, f"the context of {what}", 2, context_dim)
 
         def checked(key, batch_size):
             # Generated batches are checked as they come (an array is checked once,
             # above): a bad one stops the step before any update.
-            batch = data(key, batch_size)
-            return eqx.error_if(
-                batch,
-                jnp.any(~jnp.isfinite(batch)),
-                "a training batch contains NaN or inf; clean the data first.",
+            out = data(key, batch_size)
+            batch, ctx = out if conditional else (out, None)
+            bad = jnp.any(~jnp.isfinite(batch))
+            if conditional:
+                bad = bad | jnp.any(~jnp.isfinite(ctx))
+            batch = eqx.error_if(
+                batch, bad, "a training batch contains NaN or inf; clean the data."
             )
+            return batch, ctx
 
         return checked
     data = _check_samples(data, name, event_shape)
+    context = _check_contexts(context, "context", data.shape[0], context_dim)
 
     def sample(key, batch_size):
         idx = jr.randint(key, (batch_size,), 0, data.shape[0])
-        return data[idx]
+        return data[idx], None if context is None else context[idx]
 
     return sample
 
@@ -134,15 +189,21 @@ def checkpoint_config(
     batch_size: int,
     estimator: AbstractEstimator,
     config: dict[str, Any] | None,
+    kinetic_weight: float = 0.0,
+    jacobian_weight: float = 0.0,
 ) -> dict[str, Any]:
     """The config `fit` stores in (and checks against) its checkpoints: the user's
     `config` plus what `fit` itself knows, under `fit.`-prefixed keys."""
-    return {
+    out = {
         **(config or {}),
         "fit.batch_size": batch_size,
         "fit.estimator": repr(estimator),
         "fit.event_shape": list(flow.event_shape),
     }
+    if kinetic_weight or jacobian_weight:
+        out["fit.kinetic_weight"] = float(kinetic_weight)
+        out["fit.jacobian_weight"] = float(jacobian_weight)
+    return out
 
 
 def fit(
@@ -166,6 +227,10 @@ def fit(
     validate_every: int = 100,
     patience: int | None = None,
     validation_estimator: AbstractEstimator | None = None,
+    context: Float[Array, "n context"] | None = None,
+    validation_context: Float[Array, "n context"] | None = None,
+    kinetic_weight: float = 0.0,
+    jacobian_weight: float = 0.0,
 ) -> tuple[AbstractFlow, dict[str, list]]:
     """Trains `flow` by maximum likelihood.
 
@@ -202,6 +267,15 @@ def fit(
         whose noise is then part of the reported standard error), and the parameters
         with the best validation NLL are the ones returned.
     - `patience`: stop early after this many validations without improvement.
+    - `context`, `validation_context`: for a conditional flow (`context_dim=...`)
+        with array data, one context row per sample of `data` and of `validation`.
+        A generator for a conditional flow returns `(batch, context)` pairs instead.
+    - `kinetic_weight`, `jacobian_weight`: RNODE's regularisation (Finlay et al.
+        2020). The loss becomes `NLL + kinetic_weight * E[int |f|^2 dt] +
+        jacobian_weight * E[int |df/dz|_F^2 dt]`, both integrals taken in the same
+        solve as the log-density, the Frobenius norm from the training estimator's
+        own probes and Jacobian-vector products (no extra evaluations). Smoother
+        dynamics need fewer solver steps; see the docs' regularisation page.
 
     **Returns:**
 
@@ -212,7 +286,8 @@ def fit(
     exactly; `-1` where a block uses `BacksolveAdjoint`, whose backward solve is not
     counted), `seconds`, `skipped`
     (non-finite steps skipped so far); with `validation` also `val_step`, `val_nll`,
-    `val_stderr`.
+    `val_stderr`; with regularisation also `kinetic` and `jacobian` (batch means of
+    the integrals).
     """
     for name, value, low in (
         ("steps", steps, 1),
@@ -226,17 +301,36 @@ def fit(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
-    sampler = _batch_sampler(data, "data", flow.event_shape)
+    weights = {"kinetic_weight": kinetic_weight, "jacobian_weight": jacobian_weight}
+    for name, value in weights.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"`{name}` must be a number; got {value!r}.")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"`{name}` must be finite and >= 0; got {value!r}.")
+    regularize = kinetic_weight > 0 or jacobian_weight > 0
+    sampler = _batch_sampler(data, "data", flow.event_shape, context, flow.context_dim)
     if validation is not None:
         validation = _check_samples(validation, "validation", flow.event_shape)
+        validation_context = _check_contexts(
+            validation_context,
+            "validation_context",
+            validation.shape[0],
+            flow.context_dim,
+        )
+    elif validation_context is not None:
+        raise ValueError("`validation_context` was given without `validation`.")
     optimizer = optax.adam(1e-3) if optimizer is None else optimizer
     estimator = Hutchinson() if estimator is None else estimator
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     # The step donates its buffers; copy so the caller's flow stays usable.
     params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = optimizer.init(params)
-    run_config = checkpoint_config(flow, batch_size, estimator, config)
+    run_config = checkpoint_config(
+        flow, batch_size, estimator, config, kinetic_weight, jacobian_weight
+    )
     names = ("step", "loss", "nfe", "nfe_backward", "seconds", "skipped")
+    if regularize:
+        names += ("kinetic", "jacobian")
     names += ("val_step", "val_nll", "val_stderr")
     history: dict[str, list[Any]] = {name: [] for name in names}
     # A separate copy: `params` is donated to each step.
@@ -265,10 +359,19 @@ def fit(
         # apart from the training keys `fold_in(key, step)`.
         val_key = jr.fold_in(key, 2**31 - 1)
 
-    def loss_fn(params, counter, batch, key):
+    def loss_fn(params, counter, batch, ctx, key):
         model = eqx.combine(params, static).with_estimator(estimator)
-        logp, stats = model._batch_log_prob(batch, key, counter)
-        return -jnp.mean(logp), stats.total_nfe
+        if not regularize:
+            logp, stats = model._batch_log_prob(batch, key, counter, context=ctx)
+            nll = -jnp.mean(logp)
+            return nll, (nll, stats.total_nfe, ())
+        logp, reg, stats = model._batch_log_prob(
+            batch, key, counter, context=ctx, regularize=True
+        )
+        nll = -jnp.mean(logp)
+        kinetic, jacobian = jnp.mean(reg.kinetic), jnp.mean(reg.jacobian)
+        loss = nll + kinetic_weight * kinetic + jacobian_weight * jacobian
+        return loss, (nll, stats.total_nfe, (kinetic, jacobian))
 
     # The gradient with respect to `counter` counts the backward pass's evaluations
     # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
@@ -277,10 +380,13 @@ def fit(
     @eqx.filter_jit(donate="all-except-first")
     def step(i, params, opt_state, failures):
         data_key, probe_key = jr.split(jr.fold_in(key, i))
-        batch = sampler(data_key, batch_size)
+        batch, ctx = sampler(data_key, batch_size)
         counter = jnp.zeros((), batch.dtype) if count_backward else None
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-        (loss, nfe), (grads, nfe_backward) = grad_fn(params, counter, batch, probe_key)
+        (loss, aux), (grads, nfe_backward) = grad_fn(
+            params, counter, batch, ctx, probe_key
+        )
+        nll, nfe, reg = aux
         nfe_backward = jnp.round(nfe_backward).astype(int) if count_backward else -1
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = eqx.apply_updates(params, updates)
@@ -289,7 +395,7 @@ def fit(
         params = jax.tree_util.tree_map(keep_new, new_params, params)
         opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, opt_state)
         failures = jnp.where(ok, 0, failures + 1)
-        return params, opt_state, loss, (nfe, nfe_backward), failures, ~ok
+        return params, opt_state, nll, (nfe, nfe_backward), reg, failures, ~ok
 
     def save(done):
         best = best_params if validation is not None else params
@@ -324,7 +430,7 @@ def fit(
             done % validate_every == 0 or done == steps
         )
         try:
-            params, opt_state, loss, (nfe, nfe_backward), failures, bad = step(
+            params, opt_state, loss, (nfe, nfe_backward), reg, failures, bad = step(
                 jnp.asarray(i), params, opt_state, failures
             )
             skipped_now = skipped_now + bad
@@ -340,6 +446,8 @@ def fit(
                     "seconds": time.perf_counter() - start,
                     "skipped": skipped,
                 }
+                if regularize:
+                    record["kinetic"], record["jacobian"] = map(float, reg)
         except Exception as e:  # the solver's max_steps check, raised at run time
             if "maximum number of solver steps" not in str(e):
                 raise
@@ -367,6 +475,7 @@ def fit(
             val = evaluate_nll(
                 model,
                 validation,
+                context=validation_context,
                 estimator=val_estimator,
                 key=jr.fold_in(val_key, done),
             )
@@ -397,16 +506,18 @@ def fit(
 
 
 @eqx.filter_jit
-def log_prob_and_stats(model: AbstractFlow, x, key):
-    """`model.log_prob(x, key=key, return_stats=True)`, jitted once at module level so
-    that repeated evaluations (validation during `fit`) reuse the compiled code."""
-    return model.log_prob(x, key=key, return_stats=True)
+def log_prob_and_stats(model: AbstractFlow, x, key, context=None):
+    """`model.log_prob(x, context=context, key=key, return_stats=True)`, jitted once
+    at module level so that repeated evaluations (validation during `fit`) reuse the
+    compiled code."""
+    return model.log_prob(x, context=context, key=key, return_stats=True)
 
 
 def evaluate_nll(
     flow: AbstractFlow,
     x: Float[Array, "n ..."],
     *,
+    context: Float[Array, "n context"] | None = None,
     batch_size: int = 1000,
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
@@ -415,20 +526,24 @@ def evaluate_nll(
 
     Uses the exact trace by default (pass a stochastic `estimator` and `key` for
     large dimensions; its noise is then part of the reported standard error).
+    `context`: one row per sample, for a conditional flow (the NLL is then that of
+    `x` given its context).
     """
     x = jnp.asarray(x)
     if x.ndim < 2 or x.shape[0] < 2:
         raise ValueError(
             f"`x` must be a batch of at least 2 samples; got shape {x.shape}."
         )
+    n = x.shape[0]
+    context = _check_contexts(context, "context", n, flow.context_dim)
     estimator = Exact() if estimator is None else estimator
     model = flow.with_estimator(estimator)
     values, nfes = [], []
-    n = x.shape[0]
     for i, start in enumerate(range(0, n, batch_size)):
         chunk = x[start : start + batch_size]
+        ctx = None if context is None else context[start : start + batch_size]
         k = None if key is None else jr.fold_in(key, i)
-        lp, stats = log_prob_and_stats(model, chunk, k)
+        lp, stats = log_prob_and_stats(model, chunk, k, ctx)
         values.append(np.asarray(lp))
         nfes.append(float(stats.total_nfe))
     lp = np.concatenate(values)

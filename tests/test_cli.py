@@ -135,3 +135,24 @@ def test_tabular_and_digits_runs(tmp_path, capsys):
             assert plots == ["samples.png", "training.png"]
     out = capsys.readouterr().out
     assert "bits/dim" in out and "full-covariance Gaussian" in out
+
+
+def test_train_with_rnode_and_learned_end_time(tmp_path, capsys):
+    run = str(tmp_path / "rnode")
+    args = ["train", "--run-dir", run, "--kinetic-energy", "0.1"]
+    args += ["--jacobian-norm", "0.1", "--learn-t1", "--t1", "0.4", *TINY]
+    assert main(args) == 0
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert all(r["kinetic"] > 0 and r["jacobian"] > 0 for r in records)
+    with open(os.path.join(run, "config.json")) as f:
+        config = json.load(f)
+    assert config["kinetic_energy"] == 0.1 and config["learn_t1"] is True
+    # The trained end time is saved and loaded with the model.
+    assert main(["eval", run, "--n", "200"]) == 0
+    from cnftrace._cli import _load_run
+
+    _, flow, _, _ = _load_run(run)
+    assert flow.learn_t1 and 0 < float(flow.t1) != pytest.approx(0.4, abs=1e-9)
+    with pytest.raises(SystemExit, match="kinetic-energy"):
+        main(["train", "--run-dir", str(tmp_path / "bad"), "--kinetic-energy", "-1"])
