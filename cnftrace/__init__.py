@@ -23,6 +23,7 @@ from ._nets import (
     ConcatSquashMLP as ConcatSquashMLP,
 )
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
+from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
 from ._train import (

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact
+from ._sketch import AbstractSketchEstimator
 
 
 def _check_square(operator: lx.AbstractLinearOperator) -> None:
@@ -47,7 +48,10 @@ def trace(
     - `estimator`: [`Exact`][cnftrace.Exact] (default) uses `lineax.diagonal`, which
         is cheap for structured operators and materialises the others;
         [`Hutchinson`][cnftrace.Hutchinson] costs `num_probes` calls of
-        `operator.mv`.
+        `operator.mv`; [`HutchPlusPlus`][cnftrace.HutchPlusPlus] and
+        [`XTrace`][cnftrace.XTrace] cost `num_matvecs` calls (in two batched
+        rounds; a `lineax.JacobianLinearOperator` is linearised once first) and
+        need a real operator.
     - `key`: a PRNG key, required by stochastic estimators.
 
     **Returns:**
@@ -88,9 +92,19 @@ def trace(
     _, unravel = jfu.ravel_pytree(zeros)
     size = operator.in_size()
     probes = estimator.draw(key, (size,), probe_dtype, event_ndim=1)
+    sketch = isinstance(estimator, AbstractSketchEstimator)
+    if sketch and probe_dtype != dtype:
+        raise TypeError(
+            f"`{type(estimator).__name__}` supports real operators only; `operator` "
+            f"acts on arrays of dtype {dtype}. Use `cnftrace.Hutchinson` instead."
+        )
+    if sketch and isinstance(operator, lx.JacobianLinearOperator):
+        operator = lx.linearise(operator)  # one primal pass for both rounds
 
-    def quadratic_form(v):
+    def flat_mv(v):
         av, _ = jfu.ravel_pytree(operator.mv(unravel(v)))
-        return jnp.dot(v, av)
+        return av
 
-    return jnp.mean(jax.vmap(quadratic_form)(probes))
+    if sketch:
+        return estimator.trace_of_matvec(jax.vmap(flat_mv), probes)
+    return jnp.mean(jax.vmap(lambda v: jnp.dot(v, flat_mv(v)))(probes))
