@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 import diffrax
@@ -30,6 +29,7 @@ import numpy as np
 import optax
 
 import cnftrace
+from cnftrace._checkpoint import _atomic_write
 from cnftrace.datasets import toy_entropy, toy_sample
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -121,14 +121,6 @@ def table(data, results, entropy):
     return "\n".join(lines) + "\n"
 
 
-def _atomic_write(path, text):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="8gaussians")
@@ -191,8 +183,8 @@ def main(argv=None):
         "results": results,
     }
     stem = os.path.join(args.out, f"rnode_{args.data}_{args.steps}")
-    _atomic_write(stem + ".json", json.dumps(payload, indent=2))
-    _atomic_write(stem + ".md", md)
+    _atomic_write(stem + ".json", json.dumps(payload, indent=2).encode())
+    _atomic_write(stem + ".md", md.encode())
     return results
 
 

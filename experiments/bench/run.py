@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
@@ -28,6 +27,7 @@ import common  # noqa: E402
 import jax  # noqa: E402
 
 import cnftrace  # noqa: E402
+from cnftrace._checkpoint import _atomic_write  # noqa: E402
 
 try:
     import zuko_peer
@@ -45,19 +45,6 @@ TARGETS = {
 }
 # BENCHMARK.md's peer NFE per forward solve in B1.
 PEER_NFE = {"FFJORD reference": 22, "zuko 1.6.0": 40, "diffrax example": 27}
-
-
-def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _mark(ok: bool) -> str:
@@ -337,10 +324,11 @@ def main(argv=None) -> int:
     if b3_res:
         parts += ["", "## B3: cost as the work grows", "", b3.markdown(b3_res)]
     report = "\n".join(parts) + "\n"
-    _atomic_write(out, report)
+    _atomic_write(out, report.encode())
     raw = {"b1": b1_res, "b2": b2_res, "b3": b3_res, "machine": machine()}
     _atomic_write(
-        os.path.splitext(out)[0] + ".json", json.dumps(raw, indent=1, default=str)
+        os.path.splitext(out)[0] + ".json",
+        json.dumps(raw, indent=1, default=str).encode(),
     )
     print(report)
     print(f"wrote {out}")
