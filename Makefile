@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) experiments/demo.py
 
+# One pytest worker per core (`-n auto`): the suite's time is mostly XLA compiling
+# small programs, one core each. A test file runs whole on one worker, so its
+# module-scoped fixtures are built once.
 test: venv
-	$(PY) -m pytest -q tests; rc=$$?; \
+	$(PY) -m pytest -q -n auto --dist loadfile tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; fi; exit $$rc
 
 lint: venv

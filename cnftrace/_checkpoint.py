@@ -59,6 +59,11 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".ckpt")
     try:
+        # mkstemp creates the file private (0600); give it the mode of a file
+        # opened normally, under the process's umask.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

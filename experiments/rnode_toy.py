@@ -15,48 +15,26 @@ Results: experiments/results/rnode_<data>_<steps>.json and .md (written atomical
 """
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 
 import diffrax
-import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
 
-import cnftrace
-from cnftrace._checkpoint import _atomic_write
-from cnftrace.datasets import toy_entropy, toy_sample
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import _common  # noqa: E402
+
+import cnftrace  # noqa: E402
+from cnftrace.datasets import toy_entropy, toy_sample  # noqa: E402
 
 
 def make_flow(key, width=64, depth=3):
     field = cnftrace.ConcatSquashMLP(2, width=width, depth=depth, key=key)
     return cnftrace.CNF(field, 2, t1=0.5, solver=diffrax.Tsit5(), rtol=1e-5, atol=1e-5)
-
-
-def make_optimizer(steps, lr):
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, min(50, steps // 4), max(steps, 2), end_value=lr / 20
-    )
-    return optax.chain(optax.clip_by_global_norm(10.0), optax.adam(schedule))
-
-
-def per_sample_log_prob(flow, x, chunk=1000):
-    """Exact-trace log-densities of `x` and the mean NFE per solve."""
-    out, nfe = [], []
-    for start in range(0, x.shape[0], chunk):
-        lp, stats = cnftrace._train.log_prob_and_stats(
-            flow.with_estimator(cnftrace.Exact()), x[start : start + chunk], None
-        )
-        out.append(np.asarray(lp))
-        nfe.append(float(stats.total_nfe))
-    return np.concatenate(out), float(np.mean(nfe))
 
 
 def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth):
@@ -69,14 +47,14 @@ def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth
         key=train_key,
         steps=steps,
         batch_size=batch_size,
-        optimizer=make_optimizer(steps, lr),
+        optimizer=_common.warmup_cosine_adam(steps, lr),
         estimator=cnftrace.Hutchinson(),
-        progress=sys.stderr.isatty(),
+        progress=_common.progress(),
         kinetic_weight=kinetic,
         jacobian_weight=jacobian,
     )
     seconds = time.perf_counter() - start
-    logp, eval_nfe = per_sample_log_prob(trained, test)
+    logp, eval_nfe = _common.exact_log_prob(trained, test)
     _, stats = trained.sample(jr.key(seed + 7), 2000, return_stats=True)
     tail = max(1, steps // 10)
     return {
@@ -134,7 +112,7 @@ def main(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--test-size", type=int, default=5000)
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=_common.RESULTS)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     args = parser.parse_args(argv)
     width, depth = 64, 3
@@ -176,18 +154,11 @@ def main(argv=None):
     print(md)
     for r in results:
         del r["_logp"]
-    payload = {
-        "data": args.data,
-        "entropy": entropy,
-        "jax": jax.__version__,
-        "results": results,
-    }
+    payload = {"data": args.data, "entropy": entropy, "results": results}
     stem = os.path.join(args.out, f"rnode_{args.data}_{args.steps}")
-    _atomic_write(stem + ".json", json.dumps(payload, indent=2).encode())
-    _atomic_write(stem + ".md", md.encode())
+    _common.write_results(stem, payload, md)
     return results
 
 
 if __name__ == "__main__":
-    jnp.zeros(())
     main()

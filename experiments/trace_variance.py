@@ -32,10 +32,9 @@ operators, about ten seconds, most of it compiling).
 """
 
 import argparse
-import json
 import math
 import os
-import tempfile
+import sys
 import time
 
 import jax
@@ -48,10 +47,13 @@ import jax.random as jr  # noqa: E402
 import lineax as lx  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
 import cnftrace  # noqa: E402
 from cnftrace.datasets import dequantize, load_digits, logit_transform  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ESTIMATORS = (
     ("Hutchinson", lambda b: cnftrace.Hutchinson(b, "rademacher")),
     ("Hutch++ (Gauss)", lambda b: cnftrace.HutchPlusPlus(b, "gaussian")),
@@ -211,25 +213,10 @@ def markdown(report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomically(path, text):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", dir=folder, prefix=".tmp-", delete=False
-    ) as handle:
-        handle.write(text)
-    os.chmod(handle.name, 0o644)  # temporary files are created private
-    try:
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--out", default=_common.RESULTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--train-steps", type=int, default=1000, help="CNF training steps (full run)"
@@ -280,10 +267,7 @@ def main(argv=None):
         "seconds": time.perf_counter() - start,
     }
     table = markdown(report)
-    _write_atomically(
-        os.path.join(args.out, "trace_variance.json"), json.dumps(report, indent=1)
-    )
-    _write_atomically(os.path.join(args.out, "trace_variance.md"), table)
+    _common.write_results(os.path.join(args.out, "trace_variance"), report, table)
     print(table)
     print(f"({report['seconds']:.0f} s; written to {args.out})")
     return report
