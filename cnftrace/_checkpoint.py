@@ -54,16 +54,20 @@ def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _default_mode(path: str) -> None:
+    """mkstemp creates files private (0600); give `path` the mode of a file opened
+    normally, under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _atomic_write(path: str, data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".ckpt")
     try:
-        # mkstemp creates the file private (0600); give it the mode of a file
-        # opened normally, under the process's umask.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        _default_mode(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

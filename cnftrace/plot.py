@@ -6,6 +6,7 @@ import tempfile
 import jax.numpy as jnp
 import numpy as np
 
+from ._checkpoint import _default_mode
 from ._estimators import Exact
 from ._flow import AbstractFlow
 from ._train import log_prob_and_stats
@@ -49,6 +50,7 @@ def _atomic_savefig(fig, path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=suffix, prefix=".tmp-")
     os.close(fd)
     try:
+        _default_mode(tmp)
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
         os.replace(tmp, path)
     finally:
