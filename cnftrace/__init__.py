@@ -18,11 +18,20 @@ from ._flow import (
     SolveStats as SolveStats,
     make_flow as make_flow,
 )
+from ._multiscale import (
+    ConcatConv2d as ConcatConv2d,
+    ConvField as ConvField,
+    MultiscaleFlow as MultiscaleFlow,
+    default_n_scales as default_n_scales,
+    squeeze as squeeze,
+    unsqueeze as unsqueeze,
+)
 from ._nets import (
     ConcatSquashLinear as ConcatSquashLinear,
     ConcatSquashMLP as ConcatSquashMLP,
 )
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
+from ._parallel import data_mesh as data_mesh
 from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace

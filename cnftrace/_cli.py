@@ -34,6 +34,7 @@ from ._cli_data import (
 from ._estimators import Exact, Hutchinson
 from ._flow import CNF, AbstractFlow, Chain
 from ._nets import ConcatSquashMLP
+from ._parallel import check_batch_size, data_mesh
 from ._train import checkpoint_config, evaluate_nll, fit
 from .datasets import TOY_DATASETS, toy_entropy, toy_entropy_is_exact
 
@@ -151,8 +152,70 @@ def apply_recipe(args) -> None:
             setattr(args, name, value)
 
 
+def _parse_devices(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected 'all' or a number of devices >= 1, got {value!r}"
+        )
+    return n
+
+
+def _training_mesh(args):
+    """The mesh of `--devices` (all devices with `--distributed`), or `None` for one
+    device."""
+    devices = args.devices
+    if devices is None:
+        if not args.distributed:
+            return None
+        devices = "all"  # a multi-host run trains on every process's devices
+    available = len(jax.devices())
+    if devices != "all" and devices > available:
+        raise SystemExit(
+            f"error: --devices {devices} asks for more devices than the "
+            f"{available} available; pass --devices all or a number up to {available}."
+        )
+    mesh = data_mesh(None if devices == "all" else devices)
+    try:
+        check_batch_size(args.batch_size, mesh.size, ("--batch-size", "--devices"))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return mesh
+
+
+def _initialize_distributed() -> None:
+    """`jax.distributed.initialize` from the environment: JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID where set, JAX's own detection (SLURM, Open
+    MPI, Cloud TPU) for the rest."""
+    numbers = {}
+    for name, var in (
+        ("num_processes", "JAX_NUM_PROCESSES"),
+        ("process_id", "JAX_PROCESS_ID"),
+    ):
+        value = os.environ.get(var)
+        if value is not None:
+            try:
+                numbers[name] = int(value)
+            except ValueError:
+                raise SystemExit(f"error: {var}={value!r} is not an integer.") from None
+    try:
+        jax.distributed.initialize(**numbers)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(
+            f"error: --distributed could not join the cluster: {e}. Outside SLURM, "
+            "Open MPI or Cloud TPU, set JAX_COORDINATOR_ADDRESS=host:port (process "
+            "0's address), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."
+        ) from None
+
+
 def cmd_train(args) -> int:
     apply_recipe(args)
+    mesh = _training_mesh(args)
     config = {k: getattr(args, k) for k in _MODEL_KEYS}
     os.makedirs(os.path.join(args.run_dir, "checkpoints"), exist_ok=True)
     config_path = os.path.join(args.run_dir, "config.json")
@@ -210,6 +273,7 @@ def cmd_train(args) -> int:
             validate_every=args.checkpoint_every,
             kinetic_weight=args.kinetic_energy,
             jacobian_weight=args.jacobian_norm,
+            mesh=mesh,
         )
     print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
     return 0
@@ -373,6 +437,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--print-every", type=int, default=50, help="log lines (no tty)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines")
+    p.add_argument(
+        "--devices",
+        type=_parse_devices,
+        default=None,
+        metavar="N|all",
+        help="train data-parallel on the first N devices, or all of them (the batch "
+        "size must be a multiple of the number; default: one device)",
+    )
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-host run via jax.distributed.initialize (one process per "
+        "host; see the docs' scaling page)",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="exact-trace test NLL of a trained run")
@@ -410,6 +488,8 @@ def main(argv=None) -> int:
             raise SystemExit(
                 f"error: --{name.replace('_', '-')} must be a finite weight >= 0."
             )
+    if getattr(args, "distributed", False):
+        _initialize_distributed()  # before anything else touches JAX
     jnp.zeros(())
     try:
         return args.func(args)

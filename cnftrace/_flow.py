@@ -551,7 +551,13 @@ class CNF(AbstractFlow):
         self.shape = shape
         self.t0 = t0
         # With `learn_t1`, `_end` holds log(t1 - t0), a trainable array.
-        self._end = jnp.asarray(math.log(t1 - t0)) if learn_t1 else t1
+        # A strongly typed array: a weakly typed one becomes strong after the first
+        # optimiser update, and `fit`'s step would then be compiled again (twice).
+        self._end = (
+            jnp.asarray(math.log(t1 - t0), dtype=jnp.result_type(float))
+            if learn_t1
+            else t1
+        )
         self.solver = diffrax.Tsit5() if solver is None else solver
         self.rtol = rtol
         self.atol = atol

@@ -24,6 +24,13 @@ from ._checkpoint import (
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact, Hutchinson
 from ._flow import CNF, AbstractFlow, Chain
+from ._parallel import (
+    MeshSpec,
+    check_batch_size,
+    check_same_on_all_processes,
+    is_main_process,
+    resolve_mesh,
+)
 
 DataSource = Float[Array, "n ..."] | Callable[[Key, int], Float[Array, "batch ..."]]
 
@@ -171,6 +178,11 @@ def _all_finite(tree) -> Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def _local_copy(x):
+    """A replicated array's copy on this process's first device in its mesh."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
 def _blocks(flow: AbstractFlow) -> tuple[AbstractFlow, ...]:
     return flow.blocks if isinstance(flow, Chain) else (flow,)
 
@@ -231,6 +243,7 @@ def fit(
     validation_context: Float[Array, "n context"] | None = None,
     kinetic_weight: float = 0.0,
     jacobian_weight: float = 0.0,
+    mesh: MeshSpec = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
     """Trains `flow` by maximum likelihood.
 
@@ -276,6 +289,16 @@ def fit(
         solve as the log-density, the Frobenius norm from the training estimator's
         own probes and Jacobian-vector products (no extra evaluations). Smoother
         dynamics need fewer solver steps; see the docs' regularisation page.
+    - `mesh`: train data-parallel over several devices: a `jax.sharding.Mesh`
+        (e.g. [`data_mesh`][cnftrace.data_mesh]`(devices)`), or `"all"` for every
+        device in `jax.devices()`. The parameters and optimiser state are replicated
+        on every device and each batch is split over the mesh's devices, so
+        `batch_size` must be a multiple of their number; the results are those of
+        one device up to floating-point rounding, and checkpoints load on any number
+        of devices. In a multi-process run (after `jax.distributed.initialize`)
+        every process calls `fit` with the same arguments; only process 0 writes
+        checkpoints, shows progress and calls `on_log`. `None` (the default): one
+        device. See the docs' scaling page.
 
     **Returns:**
 
@@ -308,6 +331,10 @@ def fit(
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"`{name}` must be finite and >= 0; got {value!r}.")
     regularize = kinetic_weight > 0 or jacobian_weight > 0
+    parallel = resolve_mesh(mesh)
+    if parallel is not None:
+        check_batch_size(batch_size, parallel.size)
+    main_process = is_main_process()
     sampler = _batch_sampler(data, "data", flow.event_shape, context, flow.context_dim)
     if validation is not None:
         validation = _check_samples(validation, "validation", flow.event_shape)
@@ -350,6 +377,12 @@ def fit(
             history = header["history"]
             for name in names:
                 history.setdefault(name, [])
+        # Every process must resume from the same step, or they would deadlock.
+        check_same_on_all_processes(first_step, "the checkpoint step to resume from")
+    if parallel is not None:
+        params, opt_state, best_params = parallel.replicate(
+            (params, opt_state, best_params)
+        )
 
     if validation is not None:
         val_estimator = (
@@ -381,6 +414,9 @@ def fit(
     def step(i, params, opt_state, failures):
         data_key, probe_key = jr.split(jr.fold_in(key, i))
         batch, ctx = sampler(data_key, batch_size)
+        if parallel is not None:
+            # Every process draws the same global batch; each device keeps its part.
+            batch, ctx = parallel.shard_batch((batch, ctx))
         counter = jnp.zeros((), batch.dtype) if count_backward else None
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
         (loss, aux), (grads, nfe_backward) = grad_fn(
@@ -395,9 +431,13 @@ def fit(
         params = jax.tree_util.tree_map(keep_new, new_params, params)
         opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, opt_state)
         failures = jnp.where(ok, 0, failures + 1)
+        if parallel is not None:
+            params, opt_state = parallel.keep_replicated((params, opt_state))
         return params, opt_state, nll, (nfe, nfe_backward), reg, failures, ~ok
 
     def save(done):
+        if not main_process:
+            return
         best = best_params if validation is not None else params
         state = (params, opt_state, key_to_data(key), best)
         save_checkpoint(
@@ -410,13 +450,18 @@ def fit(
 
     skipped = history["skipped"][-1] if history["skipped"] else 0
     failures = jnp.zeros((), jnp.int32)
+    index = jnp.asarray
+    if parallel is not None:
+        failures = parallel.replicate(failures)
+        index_dtype = jnp.asarray(0).dtype
+        index = lambda i: parallel.replicate(np.asarray(i, index_dtype))
     skipped_now = jnp.zeros((), jnp.int32)
     start = time.perf_counter() - (history["seconds"][-1] if history["seconds"] else 0)
     bar = tqdm(
         range(first_step, steps),
         initial=first_step,
         total=steps,
-        disable=not progress,
+        disable=not (progress and main_process),
         desc="training",
         unit="it",
     )
@@ -431,7 +476,7 @@ def fit(
         )
         try:
             params, opt_state, loss, (nfe, nfe_backward), reg, failures, bad = step(
-                jnp.asarray(i), params, opt_state, failures
+                index(i), params, opt_state, failures
             )
             skipped_now = skipped_now + bad
             # Host syncs only where something is logged, saved or validated.
@@ -472,6 +517,10 @@ def fit(
                 history[name].append(value)
         if validate_now:
             model = eqx.combine(params, static)
+            if parallel is not None:
+                # Each process evaluates on one of its own devices (the parameters
+                # are replicated, so every process gets the same numbers).
+                model = jax.tree_util.tree_map(_local_copy, model)
             val = evaluate_nll(
                 model,
                 validation,
@@ -485,7 +534,7 @@ def fit(
             record = dict(record, val_nll=val.mean, val_stderr=val.stderr)
             if validations_since_best() == 0:
                 best_params = jax.tree_util.tree_map(jnp.copy, params)
-        if log_now or validate_now:
+        if (log_now or validate_now) and main_process:
             if on_log is not None:
                 on_log(record)
             if progress:

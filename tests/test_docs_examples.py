@@ -7,7 +7,7 @@ import pytest
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 # Pages whose ```python blocks form one runnable script each (small settings).
-PAGES = ["regularization.md", "conditional.md", "trace-estimators.md"]
+PAGES = ["regularization.md", "conditional.md", "trace-estimators.md", "scaling.md"]
 
 
 def python_blocks(page: str) -> list[str]:

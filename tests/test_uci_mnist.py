@@ -1,11 +1,17 @@
 """MAF's UCI sets and MNIST's IDX files, on small synthetic files in real formats."""
 
 import gzip
-import string
 import struct
 
 import numpy as np
 import pytest
+from _formats import (
+    write_bsds300,
+    write_gas,
+    write_hepmass,
+    write_miniboone,
+    write_power,
+)
 
 from cnftrace.datasets._mnist import load_mnist_idx, read_idx, write_idx
 from cnftrace.datasets._uci import UCI_DATASETS, UCI_DIMS, load_uci
@@ -23,26 +29,6 @@ def _assert_standardised(x: np.ndarray, ddof: int) -> None:
 
 
 # ---------------------------------------------------------------- POWER
-
-
-def _write_power(root, n: int = 2000, seed: int = 0) -> np.ndarray:
-    """8 columns as in MAF's data.npy: active and reactive power, voltage,
-    intensity, 3 sub-meterings (integers), time of day in minutes."""
-    rng = np.random.default_rng(seed)
-    active = rng.gamma(2.0, 0.5, n)
-    raw = np.column_stack(
-        [
-            active,
-            rng.gamma(1.0, 0.1, n),
-            rng.normal(240.0, 3.0, n),
-            4.2 * active + rng.normal(0, 0.1, n),
-            rng.integers(0, 40, (n, 3)).astype(np.float64),
-            rng.integers(0, 1440, n).astype(np.float64),
-        ]
-    )
-    (root / "power").mkdir(parents=True)
-    np.save(root / "power" / "data.npy", raw)
-    return raw
 
 
 def _maf_power(raw: np.ndarray):
@@ -66,7 +52,7 @@ def _maf_power(raw: np.ndarray):
 
 
 def test_power_matches_maf(tmp_path):
-    raw = _write_power(tmp_path)
+    raw = write_power(tmp_path)
     out = load_uci("power", tmp_path)
     assert [a.shape for a in out] == [(k, 6) for k in _maf_sizes(2000)]
     assert UCI_DIMS["power"] == 6 and out.train.dtype == np.float64
@@ -87,28 +73,9 @@ def test_power_rejects_wrong_column_count(tmp_path):
 
 # ---------------------------------------------------------------- GAS
 
-_SENSORS = list(string.ascii_uppercase[:16])  # columns A..P after Time, Meth, Eth
-
-
-def _write_gas(root, n: int = 1000):
-    """Sensors I..P are near copies (corr > 0.99) of A..H, which MAF's loop must
-    drop; B and A are correlated 0.95 only, which it must keep."""
-    pd = pytest.importorskip("pandas")
-    rng = np.random.default_rng(1)
-    z = rng.normal(size=(n, 8))
-    z[:, 1] = 0.95 * z[:, 0] + np.sqrt(1 - 0.95**2) * z[:, 1]
-    sensors = np.hstack([5.0 * z + 10.0, 3.0 * z + 0.05 * rng.normal(size=(n, 8))])
-    frame = pd.DataFrame(sensors, columns=_SENSORS)
-    frame.insert(0, "Eth", rng.uniform(0, 20, n))
-    frame.insert(0, "Meth", rng.uniform(0, 600, n))
-    frame.insert(0, "Time", np.arange(n) * 0.01)
-    (root / "gas").mkdir(parents=True)
-    frame.to_pickle(root / "gas" / "ethylene_CO.pickle")
-    return sensors
-
 
 def test_gas_drops_correlated_columns_and_standardises(tmp_path):
-    sensors = _write_gas(tmp_path)
+    sensors = write_gas(tmp_path)
     out = load_uci("gas", tmp_path)
     assert [a.shape for a in out] == [(k, UCI_DIMS["gas"]) for k in _maf_sizes(1000)]
     kept = sensors[:, 8:]  # A..H went, one at a time; I..P stay
@@ -131,48 +98,8 @@ def test_gas_needs_its_label_columns(tmp_path):
 # ---------------------------------------------------------------- HEPMASS
 
 
-def _hepmass_features(rng, n: int) -> np.ndarray:
-    """27 features; 0-3 b-tag like {0, 1, 2}, 4 a jet count, 5 clipped at its
-    minimum: the 6 with a repeated smallest value. 6 is clipped at its maximum,
-    which MAF's rule (count of the smallest value) keeps."""
-    x = rng.normal(size=(n, 27))
-    x[:, :4] = rng.choice([0.0, 1.0, 2.0], size=(n, 4))
-    x[:, 4] = rng.integers(2, 6, n)
-    x[:, 5] = np.maximum(x[:, 5], -0.5)
-    x[:, 6] = np.minimum(x[:, 6], 0.5)
-    return x
-
-
-def _write_hepmass(root, n_train: int = 600, n_test: int = 300, test_cols=None):
-    rng = np.random.default_rng(2)
-    names = ["# label"] + [f"f{i}" for i in range(27)]
-    (root / "hepmass").mkdir(parents=True)
-    frames = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        label = rng.integers(0, 2, n).astype(np.float64)
-        table = np.column_stack([label, _hepmass_features(rng, n)])
-        header = names
-        if split == "test":  # the real test file has a trailing mass column
-            table = np.column_stack([table, np.full(n, 1000.0)])
-            header = names + ["mass"]
-        if test_cols is not None and split == "test":
-            table, header = table[:, :test_cols], header[:test_cols]
-        np.savetxt(
-            root / "hepmass" / f"1000_{split}.csv",
-            table,
-            delimiter=",",
-            fmt="%.8g",
-            header=",".join(header),
-            comments="",
-        )
-        frames[split] = np.loadtxt(
-            root / "hepmass" / f"1000_{split}.csv", delimiter=",", skiprows=1
-        )
-    return frames
-
-
 def test_hepmass_follows_maf(tmp_path):
-    frames = _write_hepmass(tmp_path)
+    frames = write_hepmass(tmp_path)
     out = load_uci("hepmass", tmp_path)
     train = frames["train"][frames["train"][:, 0] == 1][:, 1:]
     test = frames["test"][frames["test"][:, 0] == 1][:, 1:-1]
@@ -193,7 +120,7 @@ def test_hepmass_follows_maf(tmp_path):
 
 
 def test_hepmass_test_file_needs_its_extra_column(tmp_path):
-    _write_hepmass(tmp_path, test_cols=28)  # no mass column: MAF's drop misaligns
+    write_hepmass(tmp_path, test_cols=28)  # no mass column: MAF's drop misaligns
     with pytest.raises(ValueError, match="one column more"):
         load_uci("hepmass", tmp_path)
 
@@ -202,10 +129,7 @@ def test_hepmass_test_file_needs_its_extra_column(tmp_path):
 
 
 def test_miniboone_split_and_standardise(tmp_path):
-    rng = np.random.default_rng(3)
-    raw = rng.lognormal(size=(1000, 43)) * rng.uniform(1, 100, 43)
-    (tmp_path / "miniboone").mkdir()
-    np.save(tmp_path / "miniboone" / "data.npy", raw)
+    raw = write_miniboone(tmp_path, 1000)
     out = load_uci("miniboone", tmp_path)
     sizes = _maf_sizes(1000)
     assert [a.shape for a in out] == [(k, UCI_DIMS["miniboone"]) for k in sizes]
@@ -220,14 +144,7 @@ def test_miniboone_split_and_standardise(tmp_path):
 
 
 def test_bsds300_reads_the_three_datasets(tmp_path):
-    h5py = pytest.importorskip("h5py")
-    rng = np.random.default_rng(4)
-    parts = {k: rng.normal(size=(n, 63)).astype(np.float32) for k, n in
-             (("train", 50), ("validation", 10), ("test", 20))}  # fmt: skip
-    (tmp_path / "BSDS300").mkdir()
-    with h5py.File(tmp_path / "BSDS300" / "BSDS300.hdf5", "w") as f:
-        for k, v in parts.items():
-            f.create_dataset(k, data=v)
+    parts = write_bsds300(tmp_path, (50, 10, 20))
     out = load_uci("bsds300", tmp_path)
     assert out.train.shape == (50, UCI_DIMS["bsds300"]) and out.val.shape == (10, 63)
     for got, key in zip(out, ("train", "validation", "test")):

@@ -1,0 +1,435 @@
+"""FFJORD's multiscale image model (its "ODENVP", after RealNVP's multiscale design).
+
+An image of shape `(C, H, W)` passes through `n_scales` scales. At each scale but the
+last, a stack of CNF blocks acts on the current image, the image is *squeezed*
+(space to depth: `(c, h, w) -> (4c, h/2, w/2)`), a second stack of blocks acts on
+the squeezed image, and half of its channels are *factored out*: they are final
+latent variables and leave the flow, while the other half goes on to the next scale.
+The last scale is one stack of blocks. The vector fields are small conv nets with the
+time as an extra input channel ([`ConvField`][cnftrace.ConvField]).
+
+The latent of an image is all factored-out parts and the last scale's output,
+flattened and concatenated in that order and reshaped to `(C, H, W)`: the flow keeps
+the data's shape, and its base is a standard normal over every dimension.
+"""
+
+from collections.abc import Callable, Sequence
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float
+
+from ._custom_types import Key
+from ._estimators import AbstractEstimator
+from ._flow import CNF, AbstractFlow, Chain, SolveStats
+
+
+def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"]:
+    """Space to depth by 2: each 2x2 patch of a channel becomes 4 channels.
+
+    Channel `4c + 2i + j` of the output holds pixel `(2y + i, 2x + j)` of input
+    channel `c` at position `(y, x)`. A permutation of the entries, so its
+    log-determinant is 0; [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
+    """
+    *batch, c, h, w = x.shape
+    if h % 2 or w % 2:
+        raise ValueError(
+            f"`squeeze` needs an even height and width; got an image of shape "
+            f"{(c, h, w)}."
+        )
+    x = x.reshape(*batch, c, h // 2, 2, w // 2, 2)
+    n = len(batch)
+    x = jnp.moveaxis(x, (n + 2, n + 4), (n + 1, n + 2))
+    return x.reshape(*batch, 4 * c, h // 2, w // 2)
+
+
+def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"]:
+    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze]."""
+    *batch, c4, h, w = x.shape
+    if c4 % 4:
+        raise ValueError(
+            f"`unsqueeze` needs a multiple of 4 channels; got shape {(c4, h, w)}."
+        )
+    x = x.reshape(*batch, c4 // 4, 2, 2, h, w)
+    n = len(batch)
+    x = jnp.moveaxis(x, (n + 1, n + 2), (n + 2, n + 4))
+    return x.reshape(*batch, c4 // 4, 2 * h, 2 * w)
+
+
+class ConcatConv2d(eqx.Module):
+    """A 3x3 convolution (padding 1, so the size is kept) of `x` with the time `t`
+    appended as an extra constant input channel: FFJORD's `ConcatConv2d`. Acts on one
+    sample of shape `(channels, h, w)`."""
+
+    conv: eqx.nn.Conv2d
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        *,
+        kernel_size: int = 3,
+        key: Key,
+        dtype=None,
+    ):
+        dtype = jnp.result_type(float) if dtype is None else dtype
+        self.conv = eqx.nn.Conv2d(
+            in_channels + 1,
+            out_channels,
+            kernel_size,
+            padding=kernel_size // 2,
+            key=key,
+            dtype=dtype,
+        )
+
+    def __call__(self, t, x: Float[Array, "c h w"]) -> Float[Array, "out h w"]:
+        time = jnp.full((1,) + x.shape[1:], t, x.dtype)
+        return self.conv(jnp.concatenate([time, x], axis=0))
+
+
+class ConvField(eqx.Module):
+    """FFJORD's conv vector field for images: [`ConcatConv2d`][cnftrace.ConcatConv2d]
+    layers `channels -> hidden[0] -> ... -> hidden[-1] -> channels` with an activation
+    between layers. Callable as a diffrax vector field `f(t, y, args)` on one image
+    `y` of shape `(channels, h, w)`; any `h, w` work (the convs keep the size).
+
+    **Arguments:**
+
+    - `channels`: the channels of the image (input and output).
+    - `hidden`: the hidden channels, one conv layer each; FFJORD used `(64, 64, 64)`.
+    - `activation`: applied between layers; softplus by default (FFJORD's choice
+        for images). Anything smooth: the divergence differentiates it.
+    - `zero_last`: initialise the last layer to output zero, so that the flow
+        starts at the identity map. Off by default, as in FFJORD.
+    - `key`: PRNG key for the initialisation (PyTorch's default for convs).
+    - `dtype`: parameter dtype (JAX's default float if omitted).
+    """
+
+    layers: tuple[ConcatConv2d, ...]
+    activation: Callable[[Array], Array]
+    channels: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        channels: int,
+        hidden: Sequence[int] = (64, 64, 64),
+        activation: Callable[[Array], Array] = jax.nn.softplus,
+        *,
+        zero_last: bool = False,
+        key: Key,
+        dtype=None,
+    ):
+        _check_int("channels", channels, 1)
+        if isinstance(hidden, int) or not isinstance(hidden, Sequence):
+            raise TypeError(
+                "`hidden` must be a sequence of channel counts, one per hidden layer, "
+                f"e.g. (64, 64, 64); got {hidden!r}."
+            )
+        for i, h in enumerate(hidden):
+            _check_int(f"hidden[{i}]", h, 1)
+        if not callable(activation):
+            raise TypeError(f"`activation` must be callable; got {activation!r}.")
+        sizes = [channels, *hidden, channels]
+        keys = jr.split(key, len(sizes) - 1)
+        layers = [
+            ConcatConv2d(i, o, key=k, dtype=dtype)
+            for i, o, k in zip(sizes[:-1], sizes[1:], keys)
+        ]
+        if zero_last:
+            layers[-1] = eqx.tree_at(
+                lambda m: (m.conv.weight, m.conv.bias),
+                layers[-1],
+                (
+                    jnp.zeros_like(layers[-1].conv.weight),
+                    jnp.zeros_like(layers[-1].conv.bias),
+                ),
+            )
+        self.layers = tuple(layers)
+        self.activation = activation
+        self.channels = channels
+
+    def __call__(self, t, y: Float[Array, "c h w"], args=None) -> Float[Array, "c h w"]:
+        del args
+        if y.ndim != 3 or y.shape[0] != self.channels:
+            raise ValueError(
+                f"this field takes one image of shape ({self.channels}, h, w); got "
+                f"shape {y.shape}."
+            )
+        t = jnp.asarray(t, y.dtype)
+        h = y
+        for layer in self.layers[:-1]:
+            h = self.activation(layer(t, h))
+        return self.layers[-1](t, h)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+
+
+def default_n_scales(shape: tuple[int, int, int]) -> int:
+    """FFJORD's number of scales for an image shape: one more scale for every
+    halving of an even height and width that leaves both at least 4 (3 for 28x28
+    MNIST, 2 for 8x8 digits, 4 for 32x32 CIFAR-10)."""
+    _, h, w = shape
+    n = 1
+    while h % 2 == 0 and w % 2 == 0 and h // 2 >= 4 and w // 2 >= 4:
+        n, h, w = n + 1, h // 2, w // 2
+    return n
+
+
+class MultiscaleFlow(AbstractFlow):
+    """FFJORD's multiscale CNF for images (`ODENVP`): stacks of conv CNF blocks per
+    scale, squeezes, and half the channels factored out at every scale but the last.
+
+    Scale `i` acts on images of shape `(C 2^i, H / 2^i, W / 2^i)`: `blocks_per_scale`
+    blocks, then (except at the last scale) a squeeze to `(4 C 2^i, H / 2^(i+1),
+    W / 2^(i+1))`, `blocks_per_scale` more blocks, and a factor-out of the last half
+    of the channels. The latent has the data's shape (see the module docstring), so
+    `log_prob`, `sample`, `forward` and `inverse` are those of every cnftrace flow.
+
+    Data is usually dequantised and logit-transformed first (see
+    `cnftrace.datasets.logit_transform`); this flow models the result.
+
+    **Arguments:**
+
+    - `shape`: the image shape `(C, H, W)`; `H` and `W` divisible by
+        `2 ** (n_scales - 1)`.
+    - `n_scales`: the number of scales; `None` (default) picks FFJORD's number,
+        [`default_n_scales`][cnftrace.default_n_scales].
+    - `blocks_per_scale`: CNF blocks in each stack (FFJORD's `num_blocks`, 2).
+    - `hidden`: the hidden channels of each block's [`ConvField`][cnftrace.ConvField]
+        (FFJORD: `(64, 64, 64)`).
+    - `activation`: the fields' activation, softplus by default.
+    - `zero_last`: start every field at zero output (the identity flow).
+    - `t1`, `learn_t1`: each block's end time, and whether it is trained (FFJORD's
+        `train_T`).
+    - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`: each block's
+        solver settings, as for [`CNF`][cnftrace.CNF].
+    - `key`: PRNG key for the initialisation.
+    - `dtype`: parameter dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        flow = cnftrace.MultiscaleFlow((1, 8, 8), hidden=(16, 16), key=jr.key(0))
+        logp = flow.log_prob(jnp.zeros((4, 1, 8, 8)))
+        ```
+    """
+
+    scales: tuple[Chain, ...]
+    squeezed: tuple[Chain, ...]
+    shape: tuple[int, int, int] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        *,
+        n_scales: int | None = None,
+        blocks_per_scale: int = 2,
+        hidden: Sequence[int] = (64, 64, 64),
+        activation: Callable[[Array], Array] = jax.nn.softplus,
+        zero_last: bool = False,
+        t1: float = 1.0,
+        learn_t1: bool = False,
+        solver: diffrax.AbstractSolver | None = None,
+        rtol: float = 1e-5,
+        atol: float = 1e-5,
+        adjoint: diffrax.AbstractAdjoint | None = None,
+        estimator: AbstractEstimator | None = None,
+        max_steps: int = 4096,
+        key: Key,
+        dtype=None,
+    ):
+        if not (
+            isinstance(shape, (tuple, list))
+            and len(shape) == 3
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+            and all(s >= 1 for s in shape)
+        ):
+            raise ValueError(
+                "`shape` must be the image shape (channels, height, width) as three "
+                f"positive ints, e.g. (1, 28, 28); got {shape!r}."
+            )
+        shape = tuple(shape)
+        if n_scales is None:
+            n_scales = default_n_scales(shape)
+        _check_int("n_scales", n_scales, 1)
+        _check_int("blocks_per_scale", blocks_per_scale, 1)
+        c, h, w = shape
+        factor = 2 ** (n_scales - 1)
+        if h % factor or w % factor:
+            raise ValueError(
+                f"`n_scales={n_scales}` squeezes the image {n_scales - 1} time(s), so "
+                f"its height and width must be divisible by {factor}; got `shape` "
+                f"{shape}. Use fewer scales (n_scales=None picks FFJORD's number) or "
+                "pad the images."
+            )
+        cnf_kwargs = dict(
+            t1=t1,
+            learn_t1=learn_t1,
+            solver=solver,
+            rtol=rtol,
+            atol=atol,
+            adjoint=adjoint,
+            estimator=estimator,
+            max_steps=max_steps,
+        )
+
+        def stack(block_shape, key):
+            fields = [
+                ConvField(
+                    block_shape[0],
+                    hidden,
+                    activation,
+                    zero_last=zero_last,
+                    key=k,
+                    dtype=dtype,
+                )
+                for k in jr.split(key, blocks_per_scale)
+            ]
+            return Chain([CNF(f, block_shape, **cnf_kwargs) for f in fields])
+
+        scale_keys = jr.split(key, 2 * n_scales - 1)
+        scales, squeezed = [], []
+        for i in range(n_scales):
+            current = (c * 2**i, h // 2**i, w // 2**i)
+            scales.append(stack(current, scale_keys[2 * i]))
+            if i < n_scales - 1:
+                after = (4 * current[0], current[1] // 2, current[2] // 2)
+                squeezed.append(stack(after, scale_keys[2 * i + 1]))
+        self.scales = tuple(scales)
+        self.squeezed = tuple(squeezed)
+        self.shape = shape
+
+    @property
+    def event_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def n_scales(self) -> int:
+        return len(self.scales)
+
+    def chains(self) -> tuple[Chain, ...]:
+        """The stacks of blocks in the order data passes them: scale 0, its squeezed
+        stack, scale 1, ..., the last scale."""
+        out = []
+        for i, chain in enumerate(self.scales):
+            out.append(chain)
+            if i < len(self.squeezed):
+                out.append(self.squeezed[i])
+        return tuple(out)
+
+    def blocks(self) -> tuple[AbstractFlow, ...]:
+        """Every CNF block, in the order data passes them (the order of the
+        [`SolveStats`][cnftrace.SolveStats] entries)."""
+        return tuple(b for chain in self.chains() for b in chain.blocks)
+
+    def estimators(self):
+        return tuple(e for b in self.blocks() for e in b.estimators())
+
+    def with_estimator(self, estimator: AbstractEstimator) -> "MultiscaleFlow":
+        return eqx.tree_at(
+            lambda f: (f.scales, f.squeezed),
+            self,
+            (
+                tuple(c.with_estimator(estimator) for c in self.scales),
+                tuple(c.with_estimator(estimator) for c in self.squeezed),
+            ),
+        )
+
+    def _factored_shapes(self) -> list[tuple[int, int, int]]:
+        """The shapes of the parts packed into the latent: each scale's factored-out
+        half, then the last scale's output."""
+        c, h, w = self.shape
+        parts = []
+        for i in range(self.n_scales - 1):
+            parts.append((2 * c * 2**i, h // 2 ** (i + 1), w // 2 ** (i + 1)))
+        last = self.n_scales - 1
+        parts.append((c * 2**last, h // 2**last, w // 2**last))
+        return parts
+
+    def transform(
+        self,
+        x,
+        *,
+        inverse,
+        log_det,
+        key,
+        counter=None,
+        context=None,
+        regularize=False,
+    ):
+        if context is not None:
+            raise ValueError(
+                "`MultiscaleFlow` is not conditional and takes no `context`."
+            )
+        if regularize and not log_det:
+            raise ValueError("`regularize=True` needs `log_det=True`.")
+        chains = self.chains()
+        keys = [None] * len(chains) if key is None else list(jr.split(key, len(chains)))
+        total = jnp.zeros(x.shape[:1], x.dtype) if log_det else None
+        all_stats: list[SolveStats] = []
+        reg = None
+
+        def run(index, h):
+            nonlocal total, reg
+            h, ld, stats, chain_reg = chains[index].transform(
+                h,
+                inverse=inverse,
+                log_det=log_det,
+                key=keys[index],
+                counter=counter,
+                regularize=regularize,
+            )
+            if log_det:
+                total = total + ld
+            if regularize:
+                reg = chain_reg if reg is None else reg + chain_reg
+            all_stats.append(stats)
+            return h
+
+        n = x.shape[0]
+        last = self.n_scales - 1
+        if not inverse:
+            parts = []
+            h = x
+            for i in range(self.n_scales):
+                h = run(2 * i, h)
+                if i < last:
+                    h = run(2 * i + 1, squeeze(h))
+                    half = h.shape[1] // 2
+                    parts.append(h[:, half:])
+                    h = h[:, :half]
+            parts.append(h)
+            flat = [p.reshape(n, -1) for p in parts]
+            y = jnp.concatenate(flat, axis=1).reshape(x.shape)
+        else:
+            flat = x.reshape(n, -1)
+            parts, start = [], 0
+            for part_shape in self._factored_shapes():
+                size = part_shape[0] * part_shape[1] * part_shape[2]
+                parts.append(flat[:, start : start + size].reshape(n, *part_shape))
+                start += size
+            h = parts[-1]
+            for i in reversed(range(self.n_scales)):
+                if i < last:
+                    h = jnp.concatenate([h, parts[i]], axis=1)
+                    h = unsqueeze(run(2 * i + 1, h))
+                h = run(2 * i, h)
+            y = h
+            all_stats = all_stats[::-1]  # report stats in block order
+        return y, total, SolveStats.concatenate(all_stats), reg
+
+
+__all__ = [
+    "ConcatConv2d",
+    "ConvField",
+    "MultiscaleFlow",
+    "default_n_scales",
+    "squeeze",
+    "unsqueeze",
+]
