@@ -112,7 +112,7 @@ def make_flow(key, shape, hidden, blocks, tol):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500, help="at most this many")
+    parser.add_argument("--steps", type=int, default=1200, help="at most this many")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--hidden", default="16,16", help="conv hidden channels")
@@ -121,6 +121,9 @@ def main(argv=None):
     parser.add_argument("--validate-every", type=int, default=100)
     parser.add_argument("--patience", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoint here; rerun to resume"
+    )
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
     args = parser.parse_args(argv)
@@ -162,7 +165,6 @@ def main(argv=None):
                 flush=True,
             )
 
-    start = time.perf_counter()
     trained, history = cnftrace.fit(
         flow,
         train,
@@ -178,8 +180,19 @@ def main(argv=None):
         log_every=10,
         progress=progress(),
         on_log=log,
+        checkpoint_dir=args.checkpoint_dir,
+        config={
+            "script": "ffjord_digits",
+            "hidden": list(hidden),
+            "blocks": args.blocks,
+            "tol": args.tol,
+            "lr": args.lr,
+            "steps": args.steps,
+            "seed": args.seed,
+        },
     )
-    train_seconds = time.perf_counter() - start
+    # From the history, so that a resumed run counts the time before it stopped.
+    train_seconds = history["seconds"][-1]
     steps_run = history["step"][-1]
     best_step = history["val_step"][int(np.argmin(history["val_nll"]))]
 
