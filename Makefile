@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint format clean
+.PHONY: venv demo test lint format docs docs-build clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,15 @@ test: venv
 	$(PY) -m pytest -q -n auto --dist loadfile tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; fi; exit $$rc
 
+# The documentation site (mkdocs.yml, docs/): `docs-build` builds it into site/ and
+# fails on any warning, such as a broken cross-reference (CI runs it); `docs` builds
+# it the same way and then serves it with live reload on http://127.0.0.1:8000.
+docs-build: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs: docs-build
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict
+
 lint: venv
 	$(VENV)/bin/ruff check cnftrace tests experiments
 	$(VENV)/bin/ruff format --check cnftrace tests experiments
@@ -33,4 +42,4 @@ format: venv
 	$(VENV)/bin/ruff check --fix cnftrace tests experiments
 
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache
+	rm -rf $(VENV) demo_output .pytest_cache site

@@ -18,6 +18,12 @@ from ._flow import (
     SolveStats as SolveStats,
     make_flow as make_flow,
 )
+from ._matching import (
+    FlowMatching as FlowMatching,
+    conditional_path as conditional_path,
+    flow_matching_loss as flow_matching_loss,
+    ot_pairing as ot_pairing,
+)
 from ._multiscale import (
     ConcatConv2d as ConcatConv2d,
     ConvField as ConvField,

@@ -26,7 +26,22 @@ _NAME = re.compile(r"^step_(\d{9})\.ckpt$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is unreadable, corrupted, or belongs to another configuration."""
+    """A checkpoint is unreadable, corrupted, or belongs to another configuration.
+
+    [`fit`][cnftrace.fit] raises it when `checkpoint_dir` holds a checkpoint written
+    under another `config` (the message names the differing entries). Corrupted or
+    truncated files, and files of another architecture, are reported and skipped
+    instead: `fit` resumes from the newest good one, or starts afresh.
+
+    !!! example
+
+        ```python
+        try:
+            raise cnftrace.CheckpointError("written under another config")
+        except cnftrace.CheckpointError as e:
+            print(f"cannot resume: {e}")  # start a fresh run directory instead
+        ```
+    """
 
 
 class _ConfigMismatch(CheckpointError):

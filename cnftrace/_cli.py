@@ -33,6 +33,7 @@ from ._cli_data import (
 )
 from ._estimators import Exact, Hutchinson
 from ._flow import CNF, AbstractFlow, Chain
+from ._matching import FlowMatching
 from ._nets import ConcatSquashMLP
 from ._parallel import check_batch_size, data_mesh
 from ._train import checkpoint_config, evaluate_nll, fit
@@ -58,10 +59,16 @@ _ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.
 _MODEL_KEYS = (
     "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
     "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
-    "kinetic_energy", "jacobian_norm", "learn_t1",
+    "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma",
 )  # fmt: skip
 # Values of settings added after a run's config may have been written.
-_LATER_KEYS = {"kinetic_energy": 0.0, "jacobian_norm": 0.0, "learn_t1": False}
+_LATER_KEYS = {
+    "kinetic_energy": 0.0,
+    "jacobian_norm": 0.0,
+    "learn_t1": False,
+    "objective": "mle",
+    "fm_sigma": 0.0,
+}
 
 
 def _with_defaults(config: dict) -> dict:
@@ -98,6 +105,14 @@ def build_optimizer(config: dict) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(config["clip"]), optax.adam(schedule))
 
 
+def build_objective(config: dict) -> str | FlowMatching:
+    """`fit`'s `objective` for a run's config."""
+    if config["objective"] == "mle":
+        return "mle"
+    coupling = "ot" if config["objective"] == "ot-fm" else "independent"
+    return FlowMatching(sigma=config["fm_sigma"], coupling=coupling)
+
+
 def _train_estimator(config: dict):
     if config["estimator"] == "exact":
         return Exact()
@@ -128,6 +143,7 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
             {k: config[k] for k in _MODEL_KEYS},
             config["kinetic_energy"],
             config["jacobian_norm"],
+            build_objective(config),
         ),
         warn=lambda m: print(f"warning: {m}", file=sys.stderr),
     )
@@ -274,6 +290,7 @@ def cmd_train(args) -> int:
             kinetic_weight=args.kinetic_energy,
             jacobian_weight=args.jacobian_norm,
             mesh=mesh,
+            objective=build_objective(config),
         )
     print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
     return 0
@@ -423,6 +440,21 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="WEIGHT",
         help="RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
     )
+    p.add_argument(
+        "--objective",
+        default="mle",
+        choices=["mle", "fm", "ot-fm"],
+        help="maximum likelihood through the ODE solve (mle), conditional flow "
+        "matching (fm), or flow matching with minibatch optimal-transport pairing "
+        "(ot-fm); flow matching needs no solve in training",
+    )
+    p.add_argument(
+        "--fm-sigma",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="width of flow matching's Gaussian paths at the data end, in [0, 1)",
+    )
     p.add_argument("--solver", default="tsit5", choices=sorted(_SOLVERS))
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-5)
@@ -488,6 +520,21 @@ def main(argv=None) -> int:
             raise SystemExit(
                 f"error: --{name.replace('_', '-')} must be a finite weight >= 0."
             )
+    objective = getattr(args, "objective", "mle")
+    if objective != "mle":
+        if args.learn_t1:
+            raise SystemExit(
+                f"error: --objective {objective} fixes the integration time; drop "
+                "--learn-t1 (or use --objective mle)."
+            )
+        if args.kinetic_energy or args.jacobian_norm:
+            raise SystemExit(
+                f"error: --kinetic-energy and --jacobian-norm regularise --objective "
+                f"mle; drop them with --objective {objective}."
+            )
+    sigma = getattr(args, "fm_sigma", None)
+    if sigma is not None and not 0 <= sigma < 1:
+        raise SystemExit("error: --fm-sigma must be in [0, 1).")
     if getattr(args, "distributed", False):
         _initialize_distributed()  # before anything else touches JAX
     jnp.zeros(())

@@ -42,6 +42,18 @@ class SolveStats(eqx.Module):
         `BacksolveAdjoint`, where also each rejection of the very first step costs an
         uncounted evaluation); the tests check it against a count of real
         evaluations. It is `-1` for solvers whose cost per step is not known.
+
+    Each field has shape `(blocks,)`, in the order data passes the blocks. Every
+    flow method returns one with `return_stats=True`.
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.Chain([cnftrace.CNF(field, 2), cnftrace.CNF(field, 2)])
+        logp, stats = flow.log_prob(jnp.zeros((8, 2)), return_stats=True)
+        print(stats.nfe, stats.total_nfe)  # per block, and all together
+        ```
     """
 
     num_steps: Int[Array, " blocks"]
@@ -56,6 +68,8 @@ class SolveStats(eqx.Module):
 
     @staticmethod
     def concatenate(stats: Sequence["SolveStats"]) -> "SolveStats":
+        """The statistics of several flows' solves, one after the other: the blocks
+        of `stats[0]`, then those of `stats[1]`, ..."""
         return jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *stats)
 
 
@@ -134,6 +148,20 @@ class Regularization(eqx.Module):
     - `kinetic`: `integral |f(t, z)|^2 dt`, shape `(n,)`.
     - `jacobian`: `integral |df/dz|_F^2 dt`, shape `(n,)`, estimated from the same
         probes as the divergence (exact with [`Exact`][cnftrace.Exact]).
+
+    Returned by
+    [`log_prob_and_regularization`][cnftrace.AbstractFlow.log_prob_and_regularization];
+    [`fit`][cnftrace.fit] adds their batch means to the loss with `kinetic_weight` and
+    `jacobian_weight`.
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2)
+        logp, reg, stats = flow.log_prob_and_regularization(jnp.ones((8, 2)))
+        print(reg.kinetic.shape, reg.jacobian.shape)  # (8,) (8,)
+        ```
     """
 
     kinetic: Float[Array, " n"]
@@ -186,7 +214,26 @@ def _validate_context(
 class AbstractFlow(eqx.Module):
     """A normalizing flow over a standard-normal base, built from CNF blocks.
 
-    Subclasses implement `transform`; everything else is defined here.
+    The methods below are those of every flow ([`CNF`][cnftrace.CNF],
+    [`Chain`][cnftrace.Chain], [`MultiscaleFlow`][cnftrace.MultiscaleFlow]). They take
+    one sample of shape `event_shape` or a batch `(n, *event_shape)` (a batch is one
+    ODE solve per block), check it, and say what to pass when it is wrong. Data lives
+    at each block's `t0`, the base at `t1`: `forward` maps data to the base, `inverse`
+    and `sample` the other way.
+
+    Subclasses implement [`transform`][cnftrace.AbstractFlow.transform],
+    `event_shape`, `estimators` and `with_estimator`; everything else is defined here.
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2, t1=0.5)
+        x = flow.sample(jr.key(1), 5)      # (5, 2)
+        z = flow.forward(x)                # back to the base
+        logp = flow.log_prob(x)            # (5,)
+        x2, logp2 = flow.sample_and_log_prob(jr.key(1), 5)
+        ```
     """
 
     @property
@@ -279,6 +326,11 @@ class AbstractFlow(eqx.Module):
         (kinetic energy and Jacobian Frobenius norm) from the same solves, at no
         extra evaluations of the vector field.
 
+        **Arguments:**
+
+        - `x`: a batch of shape `(n, *event_shape)`.
+        - `context`, `key`: as for [`log_prob`][cnftrace.AbstractFlow.log_prob].
+
         **Returns:**
 
         `(log_prob, regularization, stats)` with a
@@ -321,8 +373,15 @@ class AbstractFlow(eqx.Module):
         """Draws `n` samples: base noise mapped through the inverse flow.
 
         No divergence is computed, so this costs a plain ODE solve per block.
-        `context` (conditional flows): shape `(context_dim,)` for all samples, or
-        `(n, context_dim)`.
+
+        **Arguments:**
+
+        - `key`: a PRNG key for the base noise.
+        - `n`: how many samples, a Python `int`.
+        - `context`: for a conditional flow, shape `(context_dim,)` for all samples,
+            or `(n, context_dim)`, one row per sample.
+        - `dtype`: the samples' dtype; JAX's default float if omitted.
+        - `return_stats`: also return the [`SolveStats`][cnftrace.SolveStats].
 
         **Returns:**
 
@@ -344,7 +403,14 @@ class AbstractFlow(eqx.Module):
         dtype=None,
         return_stats: bool = False,
     ):
-        """Draws `n` samples together with their log-density, in one inverse solve.
+        """Draws `n` samples together with their log-density, in one inverse solve
+        per block (cheaper than `sample` followed by `log_prob`).
+
+        **Arguments:**
+
+        - `key`: a PRNG key, for the base noise and any probes.
+        - `n`, `context`, `dtype`, `return_stats`: as for
+            [`sample`][cnftrace.AbstractFlow.sample].
 
         **Returns:**
 
@@ -359,24 +425,86 @@ class AbstractFlow(eqx.Module):
         logp = _standard_normal_log_prob(z, len(self.event_shape)) - log_det
         return (x, logp, stats) if return_stats else (x, logp)
 
-    def forward(self, x, *, context=None, return_stats: bool = False):
-        """Maps data `x` (one sample or a batch) to the base space."""
+    def forward(
+        self,
+        x: Float[Array, "*batch event"],
+        *,
+        context: Float[Array, "*batch context"] | None = None,
+        return_stats: bool = False,
+    ):
+        """Maps data `x` (one sample or a batch) to the base space, with no
+        divergence computed.
+
+        **Arguments:**
+
+        - `x`: one sample of shape `event_shape` or a batch `(n, *event_shape)`.
+        - `context`: for a conditional flow, as for
+            [`log_prob`][cnftrace.AbstractFlow.log_prob].
+        - `return_stats`: also return the [`SolveStats`][cnftrace.SolveStats].
+
+        **Returns:**
+
+        `z` of `x`'s shape; with `return_stats`, a pair `(z, stats)`.
+        """
         return self._map(x, False, context, return_stats, "x")
 
-    def inverse(self, z, *, context=None, return_stats: bool = False):
-        """Maps base-space points `z` (one sample or a batch) to data space."""
+    def inverse(
+        self,
+        z: Float[Array, "*batch event"],
+        *,
+        context: Float[Array, "*batch context"] | None = None,
+        return_stats: bool = False,
+    ):
+        """Maps base-space points `z` (one sample or a batch) to data space: the
+        inverse of [`forward`][cnftrace.AbstractFlow.forward], with the same
+        arguments.
+
+        **Returns:**
+
+        `x` of `z`'s shape; with `return_stats`, a pair `(x, stats)`.
+        """
         return self._map(z, True, context, return_stats, "z")
 
     def forward_and_log_det(
-        self, x, *, context=None, key=None, return_stats: bool = False
+        self,
+        x: Float[Array, "*batch event"],
+        *,
+        context: Float[Array, "*batch context"] | None = None,
+        key: Key | None = None,
+        return_stats: bool = False,
     ):
-        """`(z, log|det dz/dx|)` for data `x`."""
+        """Maps data `x` to the base space together with the log-determinant of the
+        map's Jacobian.
+
+        **Arguments:**
+
+        - `x`, `context`, `return_stats`: as for
+            [`forward`][cnftrace.AbstractFlow.forward].
+        - `key`: a PRNG key, required when a block uses a stochastic estimator.
+
+        **Returns:**
+
+        `(z, log|det dz/dx|)`, the second of shape `()` or `(n,)`; with
+        `return_stats`, `(z, log_det, stats)`.
+        """
         return self._map_and_log_det(x, False, context, key, return_stats, "x")
 
     def inverse_and_log_det(
-        self, z, *, context=None, key=None, return_stats: bool = False
+        self,
+        z: Float[Array, "*batch event"],
+        *,
+        context: Float[Array, "*batch context"] | None = None,
+        key: Key | None = None,
+        return_stats: bool = False,
     ):
-        """`(x, log|det dx/dz|)` for base-space points `z`."""
+        """Maps base-space points `z` to data space together with the
+        log-determinant of the map's Jacobian, with the arguments of
+        [`forward_and_log_det`][cnftrace.AbstractFlow.forward_and_log_det].
+
+        **Returns:**
+
+        `(x, log|det dx/dz|)`; with `return_stats`, `(x, log_det, stats)`.
+        """
         return self._map_and_log_det(z, True, context, key, return_stats, "z")
 
     # ------------------------------------------------------------------ helpers
@@ -766,7 +894,19 @@ class Chain(AbstractFlow):
     **Arguments:**
 
     - `blocks`: a sequence of [`CNF`][cnftrace.CNF] blocks (or other flows) with the
-        same `event_shape`.
+        same `event_shape` (and the same `context_dim`, passed to every block).
+
+    !!! example
+
+        ```python
+        keys = jr.split(jr.key(0), 3)
+        blocks = [
+            cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=16, key=k), 2, t1=0.5)
+            for k in keys
+        ]
+        flow = cnftrace.Chain(blocks)
+        logp = flow.log_prob(jnp.zeros((4, 2)))
+        ```
     """
 
     blocks: tuple[AbstractFlow, ...]
@@ -850,7 +990,28 @@ def make_flow(
     **kwargs,
 ) -> AbstractFlow:
     """A [`CNF`][cnftrace.CNF] for one vector field, or a [`Chain`][cnftrace.Chain] of
-    blocks sharing the keyword settings (`t1`, `solver`, `rtol`, ...) for several."""
+    blocks sharing the keyword settings (`t1`, `solver`, `rtol`, ...) for several.
+
+    **Arguments:**
+
+    - `vector_fields`: one vector field `f(t, z, args)`, or a sequence of them (one
+        block each, data passing the first one first).
+    - `dim`: the size of one sample, or its shape.
+    - `**kwargs`: [`CNF`][cnftrace.CNF]'s keyword arguments, given to every block.
+
+    **Returns:**
+
+    A [`CNF`][cnftrace.CNF] or a [`Chain`][cnftrace.Chain].
+
+    !!! example
+
+        ```python
+        fields = [
+            cnftrace.ConcatSquashMLP(2, width=16, key=k) for k in jr.split(jr.key(0), 2)
+        ]
+        flow = cnftrace.make_flow(fields, 2, t1=0.5, rtol=1e-4, atol=1e-4)
+        ```
+    """
     if callable(vector_fields) and not isinstance(vector_fields, (list, tuple)):
         return CNF(vector_fields, dim, **kwargs)
     return Chain([CNF(f, dim, **kwargs) for f in vector_fields])

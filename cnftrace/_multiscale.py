@@ -33,6 +33,22 @@ def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"
     Channel `4c + 2i + j` of the output holds pixel `(2y + i, 2x + j)` of input
     channel `c` at position `(y, x)`. A permutation of the entries, so its
     log-determinant is 0; [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
+
+    **Arguments:**
+
+    - `x`: an image `(c, h, w)` or a batch of them, with `h` and `w` even.
+
+    **Returns:**
+
+    The squeezed image(s), shape `(*batch, 4c, h/2, w/2)`.
+
+    !!! example
+
+        ```python
+        x = jnp.arange(16.0).reshape(1, 4, 4)
+        y = cnftrace.squeeze(x)                 # shape (4, 2, 2)
+        assert (cnftrace.unsqueeze(y) == x).all()
+        ```
     """
     *batch, c, h, w = x.shape
     if h % 2 or w % 2:
@@ -47,7 +63,22 @@ def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"
 
 
 def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"]:
-    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze]."""
+    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze].
+
+    **Arguments:**
+
+    - `x`: an image `(c4, h, w)` or a batch of them, with `c4` a multiple of 4.
+
+    **Returns:**
+
+    The unsqueezed image(s), shape `(*batch, c4/4, 2h, 2w)`.
+
+    !!! example
+
+        ```python
+        cnftrace.unsqueeze(jnp.zeros((8, 2, 2))).shape  # (2, 4, 4)
+        ```
+    """
     *batch, c4, h, w = x.shape
     if c4 % 4:
         raise ValueError(
@@ -62,7 +93,22 @@ def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"
 class ConcatConv2d(eqx.Module):
     """A 3x3 convolution (padding 1, so the size is kept) of `x` with the time `t`
     appended as an extra constant input channel: FFJORD's `ConcatConv2d`. Acts on one
-    sample of shape `(channels, h, w)`."""
+    sample of shape `(channels, h, w)`, called as `layer(t, x)`.
+
+    **Arguments:**
+
+    - `in_channels`, `out_channels`: the channels of the input and the output.
+    - `kernel_size`: an odd kernel size (3 by default); the padding keeps the size.
+    - `key`: PRNG key for the initialisation.
+    - `dtype`: parameter dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        layer = cnftrace.ConcatConv2d(1, 8, key=jr.key(0))
+        layer(0.5, jnp.zeros((1, 8, 8))).shape  # (8, 8, 8)
+        ```
+    """
 
     conv: eqx.nn.Conv2d
 
@@ -106,6 +152,14 @@ class ConvField(eqx.Module):
         starts at the identity map. Off by default, as in FFJORD.
     - `key`: PRNG key for the initialisation (PyTorch's default for convs).
     - `dtype`: parameter dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConvField(1, hidden=(8, 8), key=jr.key(0))
+        flow = cnftrace.CNF(field, dim=(1, 8, 8), rtol=1e-3, atol=1e-3)
+        logp = flow.log_prob(jnp.zeros((2, 1, 8, 8)))
+        ```
     """
 
     layers: tuple[ConcatConv2d, ...]
@@ -173,7 +227,23 @@ def _check_int(name: str, value, low: int) -> None:
 def default_n_scales(shape: tuple[int, int, int]) -> int:
     """FFJORD's number of scales for an image shape: one more scale for every
     halving of an even height and width that leaves both at least 4 (3 for 28x28
-    MNIST, 2 for 8x8 digits, 4 for 32x32 CIFAR-10)."""
+    MNIST, 2 for 8x8 digits, 4 for 32x32 CIFAR-10).
+
+    **Arguments:**
+
+    - `shape`: the image shape `(C, H, W)`.
+
+    **Returns:**
+
+    The number of scales, what [`MultiscaleFlow`][cnftrace.MultiscaleFlow] uses when
+    `n_scales=None`.
+
+    !!! example
+
+        ```python
+        assert cnftrace.default_n_scales((1, 28, 28)) == 3
+        ```
+    """
     _, h, w = shape
     n = 1
     while h % 2 == 0 and w % 2 == 0 and h // 2 >= 4 and w // 2 >= 4:
@@ -215,8 +285,12 @@ class MultiscaleFlow(AbstractFlow):
     !!! example
 
         ```python
-        flow = cnftrace.MultiscaleFlow((1, 8, 8), hidden=(16, 16), key=jr.key(0))
-        logp = flow.log_prob(jnp.zeros((4, 1, 8, 8)))
+        flow = cnftrace.MultiscaleFlow(
+            (1, 8, 8), blocks_per_scale=1, hidden=(16, 16), rtol=1e-3, atol=1e-3,
+            key=jr.key(0),
+        )
+        logp = flow.log_prob(jnp.zeros((4, 1, 8, 8)))  # shape (4,)
+        print(len(flow.blocks()))  # 3: scale 0, its squeezed stack, scale 1
         ```
     """
 
@@ -311,6 +385,7 @@ class MultiscaleFlow(AbstractFlow):
 
     @property
     def n_scales(self) -> int:
+        """The number of scales."""
         return len(self.scales)
 
     def chains(self) -> tuple[Chain, ...]:

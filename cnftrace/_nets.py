@@ -17,7 +17,22 @@ class ConcatSquashLinear(eqx.Module):
     `out = (W x + b) * sigmoid(w_gate t + b_gate) + w_shift t`.
 
     With `context_dim`, the gate and the shift are linear in `(t, context)` instead:
-    `sigmoid(w_gate t + G c + b_gate)` and `w_shift t + S c`.
+    `sigmoid(w_gate t + G c + b_gate)` and `w_shift t + S c`. Called as
+    `layer(t, x)`, or `layer(t, x, context)`.
+
+    **Arguments:**
+
+    - `in_size`, `out_size`: the sizes of `x` and of the output.
+    - `context_dim`: the size of the context vector; 0 (default) for none.
+    - `key`: PRNG key for the initialisation (PyTorch's defaults, as in FFJORD).
+    - `dtype`: parameter dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        layer = cnftrace.ConcatSquashLinear(2, 16, key=jr.key(0))
+        layer(0.5, jnp.ones(2)).shape  # (16,)
+        ```
     """
 
     linear: eqx.nn.Linear
@@ -85,6 +100,14 @@ class ConcatSquashMLP(eqx.Module):
         [`CNF`][cnftrace.CNF].
     - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=64, depth=3, key=jr.key(0))
+        field(0.0, jnp.ones(2)).shape  # (2,): f(t, y, args) on one sample
+        flow = cnftrace.CNF(field, dim=2, t1=0.5)
+        ```
     """
 
     layers: tuple[ConcatSquashLinear, ...]

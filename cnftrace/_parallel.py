@@ -14,6 +14,7 @@ the same data and key: each draws the same global batch and the sharding keeps o
 devices' part. Only process 0 writes checkpoints and shows progress.
 """
 
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -26,7 +27,9 @@ DATA_AXIS = "data"
 MeshSpec = Mesh | Literal["all"] | None
 
 
-def data_mesh(devices=None, *, axis_name: str = DATA_AXIS) -> Mesh:
+def data_mesh(
+    devices: int | Sequence[jax.Device] | None = None, *, axis_name: str = DATA_AXIS
+) -> Mesh:
     """A one-axis mesh for data-parallel training.
 
     **Arguments:**
@@ -39,6 +42,13 @@ def data_mesh(devices=None, *, axis_name: str = DATA_AXIS) -> Mesh:
     **Returns:**
 
     A `jax.sharding.Mesh` of shape `(len(devices),)`, to pass as `fit(..., mesh=...)`.
+
+    !!! example
+
+        ```python
+        mesh = cnftrace.data_mesh(1)  # the first device; data_mesh() for all of them
+        print(mesh.shape)  # {'data': 1}
+        ```
     """
     available = jax.devices()
     if devices is None:

@@ -288,6 +288,15 @@ class HutchPlusPlus(AbstractSketchEstimator):
     [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample:
     the sketch, then the probes. Gradients need `A S` of full column rank (JAX
     differentiates the QR decomposition through `R^{-1}`).
+
+    !!! example
+
+        ```python
+        a = jnp.diag(2.0 ** -jnp.arange(30))  # a fast-decaying spectrum
+        op = lineax.MatrixLinearOperator(a)
+        est = cnftrace.HutchPlusPlus(num_matvecs=12)
+        cnftrace.trace(op, estimator=est, key=jr.key(0))  # close to 2
+        ```
     """
 
     num_matvecs: int = eqx.field(static=True)
@@ -347,6 +356,17 @@ class XTrace(AbstractSketchEstimator):
     full column rank (JAX differentiates the QR decomposition through `R^{-1}`), which
     holds with probability one for Gaussian vectors and an operator of rank at least
     `m`.
+
+    !!! example
+
+        ```python
+        a = jnp.diag(2.0 ** -jnp.arange(30))
+        op = lineax.MatrixLinearOperator(a)
+        cnftrace.trace(op, estimator=cnftrace.XTrace(12), key=jr.key(0))
+        # In a CNF: the divergence of its vector field, 8 products per evaluation.
+        field = cnftrace.ConcatSquashMLP(16, width=32, depth=2, key=jr.key(1))
+        flow = cnftrace.CNF(field, dim=16, estimator=cnftrace.XTrace(8))
+        ```
     """
 
     num_matvecs: int = eqx.field(static=True)

@@ -22,11 +22,24 @@ class CNFArgs(eqx.Module):
     """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`: the user's own
     `args` for the vector field, and the probes drawn for this solve.
 
-    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]. `counter`, when
-    given, is a scalar whose gradient counts the backpropagated evaluations of the
-    term (see [`make_args`][cnftrace.CNFTerm.make_args]). `context`, when given, holds
-    one context per sample (leading axes = the batch axes), passed to the vector field
-    of each sample as its `args` in place of `args`.
+    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args] rather than by
+    hand; its fields are:
+
+    - `args`: the vector field's own `args`, the same for every sample.
+    - `probes`: the probes drawn for this solve, shape `(*batch, num_probes,
+        *event)`, or `None` for deterministic estimators.
+    - `counter`: optional, a scalar whose gradient counts the backpropagated
+        evaluations of the term (see [`make_args`][cnftrace.CNFTerm.make_args]).
+    - `context`: optional, one context per sample (leading axes = the batch axes),
+        passed to the vector field of each sample as its `args` in place of `args`.
+
+    !!! example
+
+        ```python
+        term = cnftrace.CNFTerm(lambda t, z, args: -z, estimator=cnftrace.Hutchinson())
+        args = term.make_args(jnp.ones((5, 2)), key=jr.key(0))
+        print(args.probes.shape)  # (5, 1, 2): one probe per sample
+        ```
     """
 
     args: PyTree[Any]
@@ -105,8 +118,12 @@ class CNFTerm(ODETerm):
     !!! example
 
         ```python
+        def vector_field(t, z, args):  # one sample z of shape (2,)
+            return jnp.tanh(z) * args
+
+        z0 = jr.normal(jr.key(0), (100, 2))  # a batch of 100 samples
         term = cnftrace.CNFTerm(vector_field, estimator=cnftrace.Hutchinson())
-        args = term.make_args(z0, key=key)
+        args = term.make_args(z0, key=jr.key(1), args=0.5)  # probes drawn once
         y0 = term.initial_state(z0)
         sol = diffrax.diffeqsolve(
             term, diffrax.Tsit5(), 0.0, 1.0, None, y0, args=args,
@@ -115,6 +132,7 @@ class CNFTerm(ODETerm):
             ),
         )
         z1, delta_logp = sol.ys  # each with a leading axis of length 1 (t1)
+        print(z1.shape, delta_logp.shape)  # (1, 100, 2) (1, 100)
         ```
 
     **Arguments:**
@@ -135,25 +153,33 @@ class CNFTerm(ODETerm):
 
     def make_args(
         self,
-        z0: Array,
+        z0: Float[Array, "..."],
         *,
         key: Key | None = None,
         args=None,
         counter: Float[Array, ""] | None = None,
-        context: Array | None = None,
+        context: Float[Array, "*batch context"] | None = None,
     ) -> CNFArgs:
         """Draws this solve's probes for the initial state `z0` and bundles them
-        with the vector field's own `args`.
+        with the vector field's own `args`. Pass the result as `diffeqsolve`'s `args`.
 
-        `context` (optional) is a per-sample conditioning array whose leading axes
-        are `z0`'s batch axes: each sample's vector field is then called as
-        `f(t, z_i, context_i)` (and `args` must be `None`).
+        **Arguments:**
 
-        `counter` (optional) is a float scalar, usually `jnp.zeros(())`, to count
-        backward evaluations: the gradient of a loss with respect to it equals the
-        number of times reverse mode backpropagates through the term's vector field
-        (the backward NFE of a discrete adjoint such as diffrax's default
-        `RecursiveCheckpointAdjoint`). Its value never changes the solution.
+        - `z0`: the initial state, shape `(*batch, *event)`.
+        - `key`: a PRNG key; required by stochastic estimators.
+        - `args`: the vector field's own `args`, the same for every sample.
+        - `counter`: optional, a float scalar, usually `jnp.zeros(())`, to count
+            backward evaluations: the gradient of a loss with respect to it equals the
+            number of times reverse mode backpropagates through the term's vector
+            field (the backward NFE of a discrete adjoint such as diffrax's default
+            `RecursiveCheckpointAdjoint`). Its value never changes the solution.
+        - `context`: optional, a per-sample conditioning array whose leading axes
+            are `z0`'s batch axes: each sample's vector field is then called as
+            `f(t, z_i, context_i)` (and `args` must be `None`).
+
+        **Returns:**
+
+        A [`CNFArgs`][cnftrace.CNFArgs].
         """
         probes = self.estimator.draw(
             key, z0.shape, z0.dtype, event_ndim=self.event_ndim
@@ -169,9 +195,14 @@ class CNFTerm(ODETerm):
             _check_context(context, batch_shape)
         return CNFArgs(args=args, probes=probes, counter=counter, context=context)
 
-    def initial_state(self, z0: Array) -> tuple[Array, ...]:
-        """`(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`: the
-        augmented initial state."""
+    def initial_state(self, z0: Float[Array, "..."]) -> tuple[Float[Array, "..."], ...]:
+        """The augmented initial state for `z0` of shape `(*batch, *event)`.
+
+        **Returns:**
+
+        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`; the zeros
+        have shape `batch`.
+        """
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
         zeros = jnp.zeros(batch_shape, z0.dtype)
         return (z0, zeros, zeros, zeros) if self.regularize else (z0, zeros)

@@ -63,6 +63,9 @@ def trace(
         ```python
         op = lineax.MatrixLinearOperator(jnp.eye(3))
         cnftrace.trace(op)  # 3.0
+        # The Jacobian of a function at a point, estimated from 4 products:
+        jac = lineax.JacobianLinearOperator(lambda x, args: jnp.sin(x), jnp.zeros(5))
+        cnftrace.trace(jac, estimator=cnftrace.XTrace(4), key=jr.key(0))  # 5.0
         ```
     """
     if not isinstance(operator, lx.AbstractLinearOperator):

@@ -1,4 +1,9 @@
-"""Pictures of 2-D flows (needs matplotlib): learned density, samples and data."""
+"""Pictures of flows (needs matplotlib, the `plot` extra): the learned density of a
+2-D flow beside its data and samples, training curves, and grids of images.
+
+Every function writes a PNG atomically (a killed run leaves no half-written file) and
+returns its path.
+"""
 
 import os
 import tempfile
@@ -19,8 +24,29 @@ def density_grid(
     resolution: int = 150,
     batch_size: int = 5000,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The flow's exact log-density on a `resolution x resolution` grid over
-    `[-lim, lim]^2`. Returns `(xs, ys, logp)` with `logp[i, j]` at `(xs[j], ys[i])`."""
+    """The flow's log-density, by the exact trace, on a grid.
+
+    **Arguments:**
+
+    - `flow`: a flow of 2-D samples (`event_shape == (2,)`).
+    - `lim`: the grid covers `[-lim, lim]^2`.
+    - `resolution`: points along each axis.
+    - `batch_size`: grid points per solve.
+
+    **Returns:**
+
+    `(xs, ys, logp)`: the axes, each of shape `(resolution,)`, and the log-density
+    of shape `(resolution, resolution)`, `logp[i, j]` at `(xs[j], ys[i])`.
+
+    !!! example
+
+        ```python
+        import cnftrace.plot
+
+        flow = cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=8, key=jr.key(0)), 2)
+        xs, ys, logp = cnftrace.plot.density_grid(flow, resolution=20)
+        ```
+    """
     if flow.event_shape != (2,):
         raise ValueError(
             "density plots need a 2-D flow; this one has event shape "
@@ -69,7 +95,34 @@ def plot_flow_2d(
     title: str | None = None,
 ) -> str:
     """Saves a three-panel PNG: the data, the learned density (exact trace), and samples
-    from the flow. Returns `path`. Needs matplotlib (`pip install cnftrace[plot]`)."""
+    from the flow.
+
+    **Arguments:**
+
+    - `flow`: a flow of 2-D samples.
+    - `data`: samples of the data, shape `(n, 2)`.
+    - `samples`: samples of the flow, shape `(m, 2)`.
+    - `path`: the PNG file to write.
+    - `lim`, `resolution`: the square `[-lim, lim]^2` shown and the density grid's
+        points along each axis (see [`density_grid`][cnftrace.plot.density_grid]).
+    - `title`: an optional title above the panels.
+
+    **Returns:**
+
+    `path`.
+
+    !!! example
+
+        ```python
+        import cnftrace.plot
+        from cnftrace.datasets import toy_sample
+
+        flow = cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=8, key=jr.key(0)), 2)
+        data = toy_sample("8gaussians", jr.key(1), 1000)
+        samples = flow.sample(jr.key(2), 1000)
+        cnftrace.plot.plot_flow_2d(flow, data, samples, "flow.png", resolution=30)
+        ```
+    """
     try:
         import matplotlib
 
@@ -100,15 +153,49 @@ def plot_flow_2d(
 
 
 def plot_training_curves(
-    records: list[dict], path: str, *, entropy: float | None = None
+    records: list[dict] | dict[str, list],
+    path: str,
+    *,
+    entropy: float | None = None,
 ) -> str:
-    """Saves training curves (loss and NFE against step) from metric records (dicts
-    with `step`, `loss`, `nfe`) as a PNG. Returns `path`."""
+    """Saves training curves, the training NLL and the NFE per solve against the step,
+    as a PNG.
+
+    **Arguments:**
+
+    - `records`: the `history` that [`fit`][cnftrace.fit] returns (a dict of lists
+        with `step`, `loss` and `nfe`), or a list of records, each a dict with those
+        keys (the lines of a command-line run's `metrics.jsonl`).
+    - `path`: the PNG file to write.
+    - `entropy`: the data's true entropy, drawn as a horizontal line, if known.
+
+    **Returns:**
+
+    `path`.
+
+    !!! example
+
+        ```python
+        import cnftrace.plot
+
+        history = {"step": [1, 2, 3], "loss": [3.1, 3.0, 2.9], "nfe": [20, 22, 26]}
+        cnftrace.plot.plot_training_curves(history, "training.png", entropy=2.83)
+        ```
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if isinstance(records, dict):
+        keys = ("step", "loss", "nfe")
+        missing = [k for k in keys if k not in records]
+        if missing:
+            raise ValueError(
+                f"`records` is a dict without {missing}; pass the history that "
+                "`cnftrace.fit` returns, or a list of records."
+            )
+        records = [dict(zip(keys, row)) for row in zip(*(records[k] for k in keys))]
     if not records:
         raise ValueError("`records` is empty: there is nothing to plot.")
     steps = [r["step"] for r in records]
@@ -130,8 +217,28 @@ def plot_training_curves(
 def plot_image_grid(
     images: np.ndarray, path: str, *, ncols: int = 8, title: str | None = None
 ) -> str:
-    """Saves a grid of grey-scale images (shape `(n, h, w)`, values in `[0, 1]`) as a
-    PNG. Returns `path`."""
+    """Saves a grid of grey-scale images as a PNG.
+
+    **Arguments:**
+
+    - `images`: shape `(n, h, w)`, values in `[0, 1]` (dark is 1).
+    - `path`: the PNG file to write.
+    - `ncols`: images per row.
+    - `title`: an optional title above the grid.
+
+    **Returns:**
+
+    `path`.
+
+    !!! example
+
+        ```python
+        import cnftrace.plot
+
+        images = jr.uniform(jr.key(0), (16, 8, 8))
+        cnftrace.plot.plot_image_grid(images, "grid.png", ncols=8)
+        ```
+    """
     import matplotlib
 
     matplotlib.use("Agg")

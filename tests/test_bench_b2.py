@@ -41,7 +41,7 @@ def test_b2_structure():
         check_every=2,
         on_eval=seen.append,
     )
-    assert set(r) == ZUKO_KEYS | {"settings"}
+    assert set(r) == ZUKO_KEYS | {"settings", "nfe_log_prob", "nfe_sample"}
     assert r["system"].startswith("cnftrace ")
     assert r["dataset"] == "8gaussians"
     assert r["floor"] == common.B2_FLOOR["8gaussians"]

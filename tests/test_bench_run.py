@@ -40,3 +40,18 @@ def test_quick_b1_report(tmp_path, capsys):
 def test_unknown_section_is_refused():
     with pytest.raises(SystemExit):
         run.main(["--only", "b4"])
+
+
+def test_quick_b2_objectives_report(tmp_path):
+    out = os.path.join(tmp_path, "benchmarks.md")
+    assert run.main(["--quick", "--only", "b2fm", "--out", out]) == 0
+    report = open(out).read()
+    assert "## B2 by training objective" in report
+    raw = json.load(open(os.path.splitext(out)[0] + ".json"))["b2fm"]["8gaussians"]
+    for objective in ("mle", "fm", "ot-fm"):
+        r = raw[objective]
+        assert f"| 8gaussians | {objective} |" in report
+        assert r["settings"]["objective"] == objective
+        assert r["nfe_log_prob"] > 2 and r["nfe_sample"] > 2 and r["steps"] > 0
+        assert r["curve"] and r["system"].startswith("cnftrace ")
+    assert raw["fm"]["system"].endswith("(fm)")

@@ -240,6 +240,19 @@ def test_two_processes_give_the_numbers_of_one(runs, tmp_path):
     assert checkpoints == [f"step_{i:09d}.ckpt" for i in (1, 2, 3)]
 
 
+def _fit_ot_fm(mesh) -> list[float]:
+    """The losses of three OT flow-matching steps (the pairing runs on the host)."""
+    settings = dict(steps=STEPS, batch_size=BATCH, progress=False, mesh=mesh)
+    _, history = cnftrace.fit(
+        _flow(), _data(), key=jr.key(KEY), objective="ot-fm", **settings
+    )
+    return history["loss"]
+
+
+def test_ot_flow_matching_on_four_devices(runs):
+    np.testing.assert_allclose(runs["child"]["fm_loss"], _fit_ot_fm(None), rtol=1e-6)
+
+
 def _process(tmp: str, index: int) -> None:
     """Process `index` of 2 in `test_two_processes_give_the_numbers_of_one`."""
     jax.distributed.initialize(num_processes=2, process_id=index)
@@ -271,6 +284,7 @@ def _child(tmp: str) -> None:
     parallel = resolve_mesh(mesh)
     batch = jax.jit(parallel.shard_batch)(jnp.zeros((BATCH, 2)))
     out["batch_shards"] = [list(s.data.shape) for s in batch.addressable_shards]
+    out["fm_loss"] = _fit_ot_fm(mesh)
     try:
         _fit(batch_size=30, mesh=cnftrace.data_mesh())
     except ValueError as e:

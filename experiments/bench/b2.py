@@ -56,6 +56,7 @@ from cnftrace.datasets import toy_log_prob, toy_sample
 
 DTYPE = jnp.float32
 HORIZON_STEPS_PER_S = 25.0
+FM_HORIZON_STEPS_PER_S = 500.0
 SOLVER = "tsit5, PI control, max-over-samples RMS norm, rtol = atol = 1e-5"
 NOTES = (
     "B1's model: one CNF block, ConcatSquash 2 -> 64 -> 64 -> 64 -> 2 (tanh), "
@@ -78,11 +79,22 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
 
 
-def _make_step(dataset: str, batch: int, optimizer: optax.GradientTransformation):
+def _make_step(
+    dataset: str,
+    batch: int,
+    optimizer: optax.GradientTransformation,
+    objective: str = "mle",
+):
     """One jitted training step `(flow, opt_state, key, i) -> (flow, opt_state, loss,
-    nfe)`: draws the batch and probes from `fold_in(key, i)`."""
+    nfe)`: draws the batch and probes (or flow matching's partners and times) from
+    `fold_in(key, i)`."""
 
     def loss_fn(flow, x, probe_key):
+        if objective != "mle":
+            loss = cnftrace.flow_matching_loss(
+                flow, x, key=probe_key, objective=objective
+            )
+            return loss, jnp.asarray(1)  # one evaluation of the field, no solve
         logp, stats = flow.log_prob(x, key=probe_key, return_stats=True)
         return -jnp.mean(logp), stats.total_nfe
 
@@ -116,6 +128,7 @@ def cnftrace_b2(
     clip: float = 10.0,
     check_every: int = 10,
     on_eval: Callable[[dict], None] | None = None,
+    objective: str = "mle",
 ) -> dict:
     """B2 for cnftrace: train B1's model with Hutchinson and record the exact-trace
     test NLL every `eval_every_s` seconds of training time, until `budget_s` training
@@ -132,12 +145,19 @@ def cnftrace_b2(
     of the last training step's forward solve.
 
     `decay_steps`, the cosine decay's horizon, defaults to `budget_s *
-    HORIZON_STEPS_PER_S` (see the module's docstring)."""
+    HORIZON_STEPS_PER_S` (see the module's docstring); with flow matching, whose
+    steps cost no solve, `FM_HORIZON_STEPS_PER_S`.
+
+    `objective`: `"mle"` (maximum likelihood with Hutchinson), or flow matching,
+    `"fm"` or `"ot-fm"` (`cnftrace.flow_matching_loss`, path width 0). The result
+    also holds the NFE of the final model: `nfe_log_prob` (the exact-trace test
+    evaluation, per solve) and `nfe_sample` (drawing `test_size` samples)."""
     tracker = common.QualityCurve(dataset, eval_every_s)
     horizon = "given"
     if decay_steps is None:
-        decay_steps = max(1, round(budget_s * HORIZON_STEPS_PER_S))
-        horizon = f"budget_s * {HORIZON_STEPS_PER_S:g} steps/s"
+        rate = HORIZON_STEPS_PER_S if objective == "mle" else FM_HORIZON_STEPS_PER_S
+        decay_steps = max(1, round(budget_s * rate))
+        horizon = f"budget_s * {rate:g} steps/s"
     settings = {
         "batch": batch,
         "optimizer": "adam after clip_by_global_norm",
@@ -148,13 +168,15 @@ def cnftrace_b2(
         "end_lr": peak_lr * end_factor,
         "schedule": "linear warmup, cosine decay to end_lr, then constant",
         "clip_global_norm": clip,
-        "estimator": "hutchinson, 1 rademacher probe",
+        "objective": objective,
         "check_every": check_every,
     }
+    if objective == "mle":
+        settings["estimator"] = "hutchinson, 1 rademacher probe"
     optimizer = make_optimizer(peak_lr, warmup_steps, decay_steps, end_factor, clip)
     flow = b1.make_flow("hutchinson", seed=seed)
     opt_state = optimizer.init(eqx.filter(flow, eqx.is_inexact_array))
-    step = _make_step(dataset, batch, optimizer)
+    step = _make_step(dataset, batch, optimizer, objective)
     key = jr.key(seed + 1)
 
     x_test = toy_sample(dataset, jr.key(common.B2_TEST_SEED), test_size, dtype=DTYPE)
@@ -162,6 +184,7 @@ def cnftrace_b2(
     true_nll = -float(true_lp.mean()) if np.all(np.isfinite(true_lp)) else None
     train_s = 0.0
     steps = 0
+    nll = None
     while train_s < budget_s:
         t0 = time.perf_counter()
         for _ in range(check_every):
@@ -186,8 +209,12 @@ def cnftrace_b2(
             if done:
                 break
 
+    if nll is None:  # a budget shorter than one check: evaluate once at the end
+        nll = cnftrace.evaluate_nll(flow, x_test)
+    _, sample_stats = flow.sample(jr.key(seed + 2), test_size, return_stats=True)
     return {
-        "system": f"cnftrace {cnftrace.__version__}",
+        "system": f"cnftrace {cnftrace.__version__}"
+        + ("" if objective == "mle" else f" ({objective})"),
         "dataset": dataset,
         "solver": SOLVER,
         "notes": NOTES,
@@ -196,6 +223,8 @@ def cnftrace_b2(
         "test_true_nll": true_nll,
         "threads": common.cores(),
         "settings": settings,
+        "nfe_log_prob": float(nll.nfe),
+        "nfe_sample": int(sample_stats.total_nfe),
     }
 
 
@@ -204,6 +233,7 @@ if __name__ == "__main__":
 
     name = sys.argv[1] if len(sys.argv) > 1 else "8gaussians"
     budget = float(sys.argv[2]) if len(sys.argv) > 2 else 240.0
+    objective = sys.argv[3] if len(sys.argv) > 3 else "mle"
 
     def show(r):
         print(
@@ -214,5 +244,6 @@ if __name__ == "__main__":
         )
 
     jnp.zeros(())  # start the backend before the clock
-    r = cnftrace_b2(name, budget, on_eval=show)
+    r = cnftrace_b2(name, budget, on_eval=show, objective=objective)
     print(r["time_to_gap"], f"best gap {r['best_gap']:.4f}", f"steps {r['steps']}")
+    print(f"NFE: log_prob {r['nfe_log_prob']:.0f}, sample {r['nfe_sample']}")

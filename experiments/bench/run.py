@@ -109,6 +109,9 @@ def b1_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("b1", "b2", "b2fm", "b3")
+
+
 def run_b2(budgets: dict, eval_every: float, test_size: int) -> dict:
     out = {}
     for dataset, budget in budgets.items():
@@ -122,6 +125,44 @@ def run_b2(budgets: dict, eval_every: float, test_size: int) -> dict:
             )
         out[dataset] = {"cnftrace": ours, "zuko": peer, "budget_s": budget}
     return out
+
+
+OBJECTIVES = ("mle", "fm", "ot-fm")
+
+
+def run_b2_objectives(budgets: dict, eval_every: float, test_size: int) -> dict:
+    """B2 for cnftrace's three training objectives, side by side in one run."""
+    out = {}
+    for dataset, budget in budgets.items():
+        out[dataset] = {"budget_s": budget}
+        for objective in OBJECTIVES:
+            out[dataset][objective] = b2.cnftrace_b2(
+                dataset,
+                budget,
+                eval_every_s=eval_every,
+                test_size=test_size,
+                objective=objective,
+                batch=128 if objective == "mle" else 256,
+            )
+    return out
+
+
+def b2_objectives_markdown(res: dict) -> str:
+    lines = [
+        "| data | objective | budget | ≤ 0.15 nats | ≤ 0.05 nats | best gap | steps "
+        "| NFE of log_prob | NFE of sample |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dataset, entry in res.items():
+        for objective in OBJECTIVES:
+            r = entry[objective]
+            ttg = {float(k): v for k, v in r["time_to_gap"].items()}
+            lines.append(
+                f"| {dataset} | {objective} | {entry['budget_s']:.0f} s | "
+                f"{_fmt_s(ttg[0.15])} | {_fmt_s(ttg[0.05])} | {r['best_gap']:.3f} | "
+                f"{r['steps']} | {r['nfe_log_prob']:.0f} | {r['nfe_sample']} |"
+            )
+    return "\n".join(lines)
 
 
 def b2_markdown(res: dict) -> str:
@@ -241,14 +282,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings (a check)")
     parser.add_argument(
-        "--only", default="b1,b2,b3", help="comma-separated sections to run"
+        "--only",
+        default="b1,b2,b2fm,b3",
+        help="comma-separated sections to run (b2fm: B2 for the three objectives)",
     )
     parser.add_argument("--out", default=None, help="report path (markdown)")
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.only.split(",") if s.strip()}
-    unknown = sections - {"b1", "b2", "b3"}
+    unknown = sections - set(SECTIONS)
     if unknown:
-        parser.error(f"--only: unknown sections {sorted(unknown)}; use b1, b2, b3.")
+        parser.error(
+            f"--only: unknown sections {sorted(unknown)}; use {', '.join(SECTIONS)}."
+        )
     out = args.out or os.path.join(_HERE, os.pardir, os.pardir, "docs", "benchmarks.md")
     if args.quick:
         b1_args = dict(iters=3, batch=64)
@@ -271,6 +316,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     b1_res = run_b1(**b1_args) if "b1" in sections else None
     b2_res = run_b2(**b2_args) if "b2" in sections else None
+    b2fm_res = run_b2_objectives(**b2_args) if "b2fm" in sections else None
     b3_res = None
     if "b3" in sections:
         b3_res = {
@@ -283,7 +329,7 @@ def main(argv=None) -> int:
         "# Benchmarks",
         "",
         f"Written by `python experiments/bench/run.py{' --quick' if args.quick else ''}"
-        f"{'' if sections == {'b1', 'b2', 'b3'} else ' --only ' + args.only}` on "
+        f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}` on "
         f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `shared/BENCHMARK.md` and "
         "`experiments/bench/common.py`; zuko's differences from the protocol: "
         "`experiments/bench/zuko_peer.py`.",
@@ -321,11 +367,34 @@ def main(argv=None) -> int:
             "",
             b2_markdown(b2_res),
         ]
+    if b2fm_res:
+        settings = {
+            o: b2fm_res[next(iter(b2fm_res))][o]["settings"] for o in OBJECTIVES
+        }
+        parts += [
+            "",
+            "## B2 by training objective: maximum likelihood, flow matching, OT flow "
+            "matching",
+            "",
+            "The same model, data, clock and evaluations as B2; the NFE columns are "
+            "those of the final model (the exact-trace test evaluation per solve, and "
+            "drawing the test set's number of samples). Settings: "
+            + "; ".join(f"{o}: {v}" for o, v in settings.items())
+            + ".",
+            "",
+            b2_objectives_markdown(b2fm_res),
+        ]
     if b3_res:
         parts += ["", "## B3: cost as the work grows", "", b3.markdown(b3_res)]
     report = "\n".join(parts) + "\n"
     _atomic_write(out, report.encode())
-    raw = {"b1": b1_res, "b2": b2_res, "b3": b3_res, "machine": machine()}
+    raw = {
+        "b1": b1_res,
+        "b2": b2_res,
+        "b2fm": b2fm_res,
+        "b3": b3_res,
+        "machine": machine(),
+    }
     _atomic_write(
         os.path.splitext(out)[0] + ".json",
         json.dumps(raw, indent=1, default=str).encode(),
