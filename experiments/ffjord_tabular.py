@@ -238,10 +238,10 @@ def train(flow, splits, setting: Setting, args, key, root: str):
                 )
             if deadline is None or time.time() <= deadline:
                 return
+            if seen["flagged"] is not None:  # its checkpoint is written by now
+                raise _OutOfTime
             if "val_nll" in record:  # this validation is checkpointed next
                 seen["flagged"] = record["step"]
-            elif seen["flagged"] is not None:
-                raise _OutOfTime
 
         common = dict(
             key=jr.fold_in(key, s),

@@ -61,17 +61,35 @@ def _read_bytes(path: str) -> bytes:
         raise ValueError(f"{path!r} is not a readable (gzip) file: {e}") from e
 
 
-def read_idx(path, magic: int | None = None) -> np.ndarray:
-    """Read one unsigned-byte IDX file (optionally gzipped) into a uint8 array.
+def read_idx(path: str | os.PathLike, magic: int | None = None) -> np.ndarray:
+    """Reads one unsigned-byte IDX file (optionally gzipped) into a uint8 array.
 
-    Args:
-        path: the file; read as gzip when its name ends in `.gz`.
-        magic: the magic number the file must have (2051 for MNIST images, 2049
-            for labels); `None` accepts any unsigned-byte IDX file.
+    The file format is described in the module's notes: a big-endian header (magic
+    number, then one uint32 size per dimension), then the data bytes in C order.
 
-    Raises:
-        ValueError: wrong magic number, a type other than unsigned byte, or a
-            truncated file (or one with bytes after the data).
+    **Arguments:**
+
+    - `path`: the file. It is read as gzip when its name ends in `.gz`.
+    - `magic`: the magic number the file must have (2051 for MNIST images, 2049 for
+        labels). `None` (the default) accepts any unsigned-byte IDX file.
+
+    **Returns:**
+
+    A uint8 NumPy array with the shape that the header gives.
+
+    Raises `ValueError` for a wrong magic number, a type other than unsigned byte, a
+    truncated file, or a file with bytes after the data.
+
+    !!! example
+
+        ```python
+        import numpy as np
+
+        from cnftrace.datasets import read_idx, write_idx
+
+        write_idx("labels.idx.gz", np.array([5, 0, 4], dtype=np.uint8))
+        print(read_idx("labels.idx.gz", magic=2049))  # [5 0 4]
+        ```
     """
     path = os.fspath(path)
     raw = _read_bytes(path)
@@ -106,11 +124,33 @@ def read_idx(path, magic: int | None = None) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape).copy()
 
 
-def write_idx(path, array) -> None:
-    """Write a uint8 array as an IDX file (gzipped when `path` ends in `.gz`).
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Writes a uint8 array as an IDX file, the format of the MNIST files.
 
-    The magic number is `0x0800 + ndim`: 2051 for `(n, rows, cols)` images, 2049
-    for `(n,)` labels. Used by the tests to make files in the real format.
+    The magic number is `0x0800 + ndim`: 2051 for `(n, rows, cols)` images, 2049 for
+    `(n,)` labels. The tests use it to make files in the real format.
+
+    **Arguments:**
+
+    - `path`: the file to write. It is gzipped when its name ends in `.gz`.
+    - `array`: a uint8 array with 1 to 255 dimensions.
+
+    **Returns:**
+
+    `None`. Raises `ValueError` for an array that is not uint8, or whose number of
+    dimensions is not 1 to 255.
+
+    !!! example
+
+        ```python
+        import numpy as np
+
+        from cnftrace.datasets import read_idx, write_idx
+
+        images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+        write_idx("tiny.idx", images)
+        print(read_idx("tiny.idx", magic=2051).shape)  # (2, 3, 4)
+        ```
     """
     array = np.asarray(array)
     if array.dtype != np.uint8:
@@ -143,19 +183,45 @@ def _load_pair(root, images_name: str, labels_name: str):
 
 
 def load_mnist_idx(
-    root,
+    root: str | os.PathLike,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Read MNIST's four IDX files from `root` (each optionally `.gz`).
+    """Reads MNIST's four IDX files from the folder `root`. Nothing is downloaded.
 
-    Returns:
-        `(train_images, train_labels, test_images, test_labels)`: uint8 arrays,
-        images of shape `(n, rows, cols)` as the headers say (`(60000, 28, 28)`
-        and `(10000, 28, 28)` for MNIST), labels of shape `(n,)`.
+    **Arguments:**
 
-    Raises:
-        FileNotFoundError: a file is missing (the message says where to get it).
-        ValueError: a wrong magic number, a truncated file, or a count mismatch
-            between images and labels.
+    - `root`: the folder that holds `train-images-idx3-ubyte`,
+        `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte` and
+        `t10k-labels-idx1-ubyte`, each optionally gzipped (`name.gz`). The
+        uncompressed file wins if both exist. Get them from
+        http://yann.lecun.com/exdb/mnist/ or its mirror
+        https://ossci-datasets.s3.amazonaws.com/mnist/ (the one torchvision uses).
+
+    **Returns:**
+
+    `(train_images, train_labels, test_images, test_labels)`: uint8 arrays. The
+    images have the shape `(n, rows, cols)` that the headers give (`(60000, 28, 28)`
+    and `(10000, 28, 28)` for MNIST); the labels have shape `(n,)`.
+
+    Raises `FileNotFoundError` if a file is missing (the message says where to get
+    it), and `ValueError` for a wrong magic number, a truncated file, or a count
+    mismatch between images and labels.
+
+    !!! example
+
+        ```python
+        import numpy as np
+
+        from cnftrace.datasets import load_mnist_idx, write_idx
+
+        # Four tiny files in the real format, in the working directory.
+        write_idx("train-images-idx3-ubyte", np.zeros((3, 28, 28), np.uint8))
+        write_idx("train-labels-idx1-ubyte", np.array([5, 0, 4], np.uint8))
+        write_idx("t10k-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
+        write_idx("t10k-labels-idx1-ubyte.gz", np.array([7, 2], np.uint8))
+
+        train_x, train_y, test_x, test_y = load_mnist_idx(".")
+        print(train_x.shape, test_y)  # (3, 28, 28) [7 2]
+        ```
     """
     train_images, train_labels = _load_pair(root, *MNIST_FILES[:2])
     test_images, test_labels = _load_pair(root, *MNIST_FILES[2:])

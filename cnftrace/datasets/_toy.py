@@ -20,6 +20,8 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float
 
+from .._custom_types import Key
+
 TOY_DATASETS: tuple[str, ...] = (
     "swissroll",
     "8gaussians",
@@ -148,19 +150,37 @@ def _check_name(name) -> str:
     return name
 
 
-def toy_sample(name: str, key, n: int, dtype=None) -> Float[Array, "n 2"]:
-    """Draw `n` i.i.d. samples from the 2-D toy distribution `name`.
+def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
+    """Draws `n` i.i.d. samples from the 2-D toy distribution `name`.
+
+    The function is jitted, with `name`, `n` and `dtype` static, so it may also be
+    called inside `jax.jit`.
 
     **Arguments:**
 
-    - `name`: one of `TOY_DATASETS`.
+    - `name`: one of `TOY_DATASETS`: `"swissroll"`, `"8gaussians"`, `"pinwheel"`,
+        `"circles"`, `"moons"`, `"2spirals"`, `"checkerboard"` or `"rings"`.
     - `key`: a JAX PRNG key (new-style `jax.random.key` or raw `PRNGKey`).
     - `n`: the number of samples, a positive Python or NumPy integer.
-    - `dtype`: a floating dtype; default JAX's default float (float32, or float64
-      when `jax_enable_x64` is on; without it JAX gives float32 for float64).
+    - `dtype`: a floating dtype. The default is JAX's default float: float32, or
+        float64 when `jax_enable_x64` is on (without it JAX gives float32 for
+        float64).
 
-    **Returns:** an array of shape `(n, 2)` and dtype `dtype`. The function is jitted,
-    with `name`, `n` and `dtype` static, so it may also be called inside `jax.jit`.
+    **Returns:**
+
+    An array of shape `(n, 2)` and dtype `dtype`.
+
+    Raises `ValueError` for an unknown `name`, an `n` that is not a positive
+    integer, or a `dtype` that is not floating.
+
+    !!! example
+
+        ```python
+        from cnftrace.datasets import toy_sample
+
+        x = toy_sample("moons", jr.key(0), 500)
+        print(x.shape, x.dtype)  # (500, 2) float32
+        ```
     """
     _check_name(name)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
@@ -204,26 +224,94 @@ _EXACT = frozenset({"8gaussians", "checkerboard"})
 
 
 def toy_entropy(name: str) -> float:
-    """The differential entropy, in nats, of the toy distribution `name`.
+    """Returns the differential entropy, in nats, of the toy distribution `name`.
 
-    Exact (to about 1e-6) for `"checkerboard"` (log 32) and `"8gaussians"` (the
-    Gaussian-mixture closed form less a quadrature-computed overlap term of 0.0063);
-    a Monte Carlo estimate with standard error below 1e-3 for the other six. See
-    `toy_entropy_is_exact` and the comments beside the constants.
+    It is exact (to about 1e-6) for `"checkerboard"` (log 32) and `"8gaussians"`
+    (the Gaussian-mixture closed form less a quadrature-computed overlap term of
+    0.0063). For the other six it is a Monte Carlo estimate with standard error
+    below 1e-3. See [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact]
+    and the comments beside the constants.
+
+    **Arguments:**
+
+    - `name`: one of `TOY_DATASETS`.
+
+    **Returns:**
+
+    The entropy, a Python float. It is the lower bound of the expected NLL (in nats
+    per sample) of any model of the distribution.
+
+    Raises `ValueError` for an unknown `name`.
+
+    !!! example
+
+        ```python
+        import math
+
+        from cnftrace.datasets import toy_entropy
+
+        print(toy_entropy("checkerboard") == math.log(32))  # True
+        print(round(toy_entropy("moons"), 4))  # 2.3938
+        ```
     """
     return _ENTROPY[_check_name(name)]
 
 
 def toy_entropy_is_exact(name: str) -> bool:
-    """Whether `toy_entropy(name)` is exact (True) or a statistical estimate (False)."""
+    """Says whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact
+    or a statistical estimate.
+
+    **Arguments:**
+
+    - `name`: one of `TOY_DATASETS`.
+
+    **Returns:**
+
+    `True` if the entropy is exact (`"8gaussians"` and `"checkerboard"`), `False` if
+    it is a Monte Carlo estimate.
+
+    Raises `ValueError` for an unknown `name`.
+
+    !!! example
+
+        ```python
+        from cnftrace.datasets import toy_entropy_is_exact
+
+        print(toy_entropy_is_exact("8gaussians"))  # True
+        print(toy_entropy_is_exact("moons"))  # False
+        ```
+    """
     return _check_name(name) in _EXACT
 
 
-def toy_log_prob(name: str, x) -> Float[Array, " n"]:
-    """The true log-density of `x` (shape `(n, 2)`) under `"8gaussians"` (the full
-    mixture, overlap included) or `"checkerboard"` (`-log 32` on the black squares,
-    `-inf` elsewhere). Use it to score a fixed test set with the true density, the
-    floor a model's test NLL is compared with."""
+def toy_log_prob(name: str, x: Float[Array, "n 2"]) -> Float[Array, " n"]:
+    """Computes the true log-density of the points `x` under the toy distribution
+    `name`.
+
+    Only `"8gaussians"` and `"checkerboard"` have one. Use it to score a fixed test
+    set with the true density: the floor that a model's test NLL is compared with.
+
+    **Arguments:**
+
+    - `name`: `"8gaussians"` (the full mixture, overlap included) or
+        `"checkerboard"` (`-log 32` on the black squares, `-inf` elsewhere).
+    - `x`: the points, an array of shape `(n, 2)`.
+
+    **Returns:**
+
+    The log-densities, an array of shape `(n,)`.
+
+    Raises `ValueError` for another `name`, or for `x` not of shape `(n, 2)`.
+
+    !!! example
+
+        ```python
+        from cnftrace.datasets import toy_log_prob
+
+        x = jnp.array([[1.0, 1.0], [3.0, 1.0]])  # a black square, then a white one
+        print(toy_log_prob("checkerboard", x))  # [-3.465736 -inf]: -log 32, -inf
+        ```
+    """
     _check_name(name)
     x = jnp.asarray(x)
     if x.ndim != 2 or x.shape[1] != 2:

@@ -198,23 +198,49 @@ _LOADERS: dict[str, Callable] = {
 }
 
 
-def load_uci(name: str, root, dtype=np.float64) -> Splits:
-    """Load one of MAF's five sets, preprocessed as MAF does (see the module).
+def load_uci(name: str, root: str | os.PathLike, dtype=np.float64) -> Splits:
+    """Loads one of the five tabular sets of MAF and FFJORD, preprocessed as MAF
+    does (see the module's notes). Nothing is downloaded.
 
-    Args:
-        name: one of `UCI_DATASETS`: `"power"` (6-D), `"gas"` (8-D), `"hepmass"`
-            (21-D), `"miniboone"` (43-D) or `"bsds300"` (63-D).
-        root: the unpacked `data/` folder of MAF's archive, holding
-            `power/data.npy`, `gas/ethylene_CO.pickle`, `hepmass/1000_train.csv`
-            and `1000_test.csv`, `miniboone/data.npy`, `BSDS300/BSDS300.hdf5`.
-        dtype: floating dtype of the returned arrays (MAF trains in float32).
+    The splits are MAF's: test is the last `int(0.1 n)` rows, and val is the last
+    `int(0.1 m)` of the other `m`. A zero standard deviation is replaced by 1.
 
-    Returns:
-        `Splits(train, val, test)`, each of shape `(n, UCI_DIMS[name])`.
+    **Arguments:**
 
-    Raises:
-        ValueError: unknown `name`, or a file with unexpected contents.
-        FileNotFoundError: `root` or the set's file is missing (says where to get it).
+    - `name`: one of `UCI_DATASETS`: `"power"` (6-D), `"gas"` (8-D), `"hepmass"`
+        (21-D), `"miniboone"` (43-D) or `"bsds300"` (63-D).
+    - `root`: the unpacked `data/` folder of MAF's archive (Zenodo record 1161203,
+        file `data.tar.gz`). It holds `power/data.npy`, `gas/ethylene_CO.pickle`,
+        `hepmass/1000_train.csv` and `1000_test.csv`, `miniboone/data.npy` and
+        `BSDS300/BSDS300.hdf5`.
+    - `dtype`: the floating dtype of the returned arrays; float64 by default (MAF
+        trains in float32).
+
+    **Returns:**
+
+    [`Splits`][cnftrace.datasets.Splits]`(train, val, test)`, each of shape
+    `(n, UCI_DIMS[name])`.
+
+    Raises `ValueError` for an unknown `name` or a file with unexpected contents,
+    and `FileNotFoundError` if `root` or the set's file is missing (the message says
+    where to get it). GAS needs pandas, BSDS300 needs h5py.
+
+    !!! example
+
+        ```python
+        import os
+
+        import numpy as np
+
+        from cnftrace.datasets import load_uci
+
+        # A tiny stand-in for MAF's POWER file: 100 rows of 8 columns.
+        os.makedirs("data/power")
+        np.save("data/power/data.npy", np.random.default_rng(0).random((100, 8)))
+
+        train, val, test = load_uci("power", "data", dtype=np.float32)
+        print(train.shape, val.shape, test.shape)  # (81, 6) (9, 6) (10, 6)
+        ```
     """
     if name not in _LOADERS:
         raise ValueError(f"unknown UCI data set {name!r}; choose from {UCI_DATASETS}.")
