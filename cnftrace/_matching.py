@@ -135,8 +135,8 @@ def _assignment(cost: np.ndarray) -> np.ndarray:
     if not np.isfinite(cost).all():
         # The step rejects a non-finite batch itself; give it any pairing.
         return np.arange(cost.shape[0], dtype=np.int32)
-    rows, cols = linear_sum_assignment(cost)
-    return cols[np.argsort(rows)].astype(np.int32)
+    _, cols = linear_sum_assignment(cost)  # its rows come back as 0, 1, ..., n-1
+    return cols.astype(np.int32)
 
 
 def ot_pairing(x: Float[Array, "n ..."], noise: Float[Array, "n ..."]) -> Array:

@@ -233,8 +233,9 @@ def main(argv=None):
         f"atol = {args.tol:g}, learned end times {', '.join(f'{t:.2f}' for t in t1s)}."
         f"\nTraining: {steps_run} steps of {args.batch_size} (best validation at step "
         f"{best_step}), Hutchinson (Rademacher), Adam {args.lr:g}; "
-        f"{train_seconds / 60:.1f} min on {os.cpu_count()} CPU cores "
-        f"(shared with other jobs); test evaluation {eval_seconds / 60:.1f} min.\n"
+        f"{train_seconds / 60:.1f} min on {os.cpu_count()} CPU cores (load average "
+        f"{os.getloadavg()[1]:.1f} over the last 5 minutes); test evaluation "
+        f"{eval_seconds / 60:.1f} min.\n"
     )
     print(md)
     os.makedirs(args.out, exist_ok=True)
