@@ -10,6 +10,11 @@ from ._estimators import (
     Hutchinson as Hutchinson,
     divergence as divergence,
 )
+from ._evaluate import (
+    NLL as NLL,
+    evaluate_nll as evaluate_nll,
+    log_prob_batched as log_prob_batched,
+)
 from ._flow import (
     CNF as CNF,
     AbstractFlow as AbstractFlow,
@@ -37,15 +42,19 @@ from ._nets import (
     ConcatSquashMLP as ConcatSquashMLP,
 )
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
+from ._objectives import (
+    AbstractObjective as AbstractObjective,
+    MaximumLikelihood as MaximumLikelihood,
+)
 from ._parallel import data_mesh as data_mesh
 from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
-from ._train import (
-    NLL as NLL,
+from ._train import Checkpoints as Checkpoints, Validation as Validation, fit as fit
+from ._trainer import (
+    Trainer as Trainer,
     TrainingError as TrainingError,
-    evaluate_nll as evaluate_nll,
-    fit as fit,
+    TrainState as TrainState,
 )
 
 __version__ = "0.1.0"
