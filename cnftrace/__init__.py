@@ -3,6 +3,7 @@
 The public API lives here; the `_`-modules are private.
 """
 
+from ._builders import mlp_flow as mlp_flow, warmup_cosine_adam as warmup_cosine_adam
 from ._checkpoint import CheckpointError as CheckpointError
 from ._estimators import (
     AbstractEstimator as AbstractEstimator,
@@ -47,6 +48,7 @@ from ._objectives import (
     MaximumLikelihood as MaximumLikelihood,
 )
 from ._parallel import data_mesh as data_mesh
+from ._runs import load as load, save as save
 from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace

@@ -181,8 +181,8 @@ class Regularization(eqx.Module):
 
     Returned by
     [`log_prob_and_regularization`][cnftrace.AbstractFlow.log_prob_and_regularization];
-    [`fit`][cnftrace.fit] adds their batch means to the loss with `kinetic_weight` and
-    `jacobian_weight`.
+    [`MaximumLikelihood`][cnftrace.MaximumLikelihood] adds their batch means to the loss
+    with its `kinetic_weight` and `jacobian_weight`.
 
     !!! example
 
@@ -725,6 +725,7 @@ class CNF(AbstractFlow):
 
     @property
     def composes_blocks(self) -> bool:
+        """True: a CNF's map is its one block's."""
         return True
 
     @property
@@ -969,6 +970,7 @@ class Chain(AbstractFlow):
 
     @property
     def composes_blocks(self) -> bool:
+        """Whether every flow of the chain composes its blocks."""
         return all(f.composes_blocks for f in self.flows)
 
     @property

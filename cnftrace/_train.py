@@ -94,10 +94,10 @@ class Checkpoints(eqx.Module):
         ```
     """
 
-    directory: str = eqx.field(static=True)
-    every: int = eqx.field(default=100, static=True)
-    keep: int = eqx.field(default=3, static=True)
-    config: dict[str, Any] | None = eqx.field(default=None, static=True)
+    directory: str
+    every: int = 100
+    keep: int = 3
+    config: dict[str, Any] | None = None
 
     def __check_init__(self):
         if not isinstance(self.directory, str):
