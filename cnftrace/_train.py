@@ -27,7 +27,13 @@ from ._evaluate import evaluate_nll
 from ._flow import AbstractFlow
 from ._objectives import AbstractObjective
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
-from ._trainer import DataSource, Trainer, TrainState, _step_donating
+from ._trainer import (
+    DataSource,
+    Trainer,
+    TrainState,
+    _step_donating,
+    default_optimizer,
+)
 
 # `fit`'s default batch size (its default optimiser is `_trainer.default_optimizer`).
 DEFAULT_BATCH_SIZE = 512
@@ -233,7 +239,7 @@ def fit(
         data,
         key=key,
         objective=objective,
-        optimizer=optimizer,
+        optimizer=default_optimizer(steps) if optimizer is None else optimizer,
         batch_size=batch_size,
         context=context,
         mesh=mesh,

@@ -29,8 +29,9 @@ DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
 OBJECTIVES = ("mle", "fm", "ot-fm")
 
 
-def default_optimizer(steps: int) -> optax.GradientTransformation:
-    """The optimiser of `fit` and `Trainer` when none is given."""
+def default_optimizer(steps: int | None) -> optax.GradientTransformation:
+    """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
+    length where known (`fit` passes it), for a schedule."""
     del steps
     return optax.adam(1e-3)
 
@@ -170,8 +171,8 @@ class Trainer(eqx.Module):
     A step skips (leaves the parameters and optimiser state as they were, and
     counts) an update whose loss or gradient is not finite, and freezes the state
     at a failed ODE solve; [`check`][cnftrace.Trainer.check] raises for either on the
-    host. Under `jax.config` float64, updates are cast to each parameter's dtype, so
-    a float32 flow stays float32.
+    host. Updates are cast to each parameter's dtype, so that a float32 flow stays
+    float32 when float64 is enabled (an optax schedule is then float64).
 
     !!! example
 
@@ -209,7 +210,7 @@ class Trainer(eqx.Module):
     ):
         check_int("batch_size", batch_size)
         self.objective = resolve_objective(objective)
-        self.optimizer = default_optimizer(0) if optimizer is None else optimizer
+        self.optimizer = default_optimizer(None) if optimizer is None else optimizer
         self.batch_size = batch_size
         self.mesh = resolve_mesh(mesh)
         if callable(data):

@@ -201,7 +201,8 @@ def test_solver_failure_freezes_the_state_and_names_the_step():
     # Outside training, the same solve raises diffrax's message.
     with pytest.raises(Exception, match="maximum number of solver steps"):
         flow.log_prob(jnp.ones((4, 2)))
-    _, stats = flow.transform(jnp.ones((4, 2)), inverse=False, log_det=True, key=None)
+    out = flow.transform(jnp.ones((4, 2)), inverse=False, log_det=True, key=None)
+    stats = out[2]
     assert bool(stats.max_steps_reached[0]) and bool(stats.failed[0])
 
 
@@ -209,7 +210,8 @@ def test_log_prob_batched_matches_log_prob():
     flow = _flow(jr.key(5))
     x = jr.normal(jr.key(6), (25, 2))
     logp, nfe = cnftrace.log_prob_batched(flow, x, batch_size=10, return_nfe=True)
-    np.testing.assert_allclose(logp, flow.log_prob(x), rtol=1e-10)
+    # Chunks of another size take other adaptive steps: equal to the tolerance.
+    np.testing.assert_allclose(logp, flow.log_prob(x), rtol=1e-6)
     assert logp.shape == (25,) and nfe > 0
 
 
