@@ -28,15 +28,13 @@ from ._flow import AbstractFlow
 from ._objectives import AbstractObjective
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._trainer import (
+    DEFAULT_BATCH_SIZE,
     DataSource,
     Trainer,
     TrainState,
     _step_donating,
     default_optimizer,
 )
-
-# `fit`'s default batch size (its default optimiser is `_trainer.default_optimizer`).
-DEFAULT_BATCH_SIZE = 512
 
 
 class Validation(eqx.Module):

@@ -29,6 +29,10 @@ DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
 OBJECTIVES = ("mle", "fm", "ot-fm")
 
 
+# The defaults of `fit` and `Trainer`, in one place.
+DEFAULT_BATCH_SIZE = 512
+
+
 def default_optimizer(steps: int | None) -> optax.GradientTransformation:
     """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
     length where known (`fit` passes it), for a schedule."""
@@ -204,7 +208,7 @@ class Trainer(eqx.Module):
         key: Key,
         objective: str | AbstractObjective = "mle",
         optimizer: optax.GradientTransformation | None = None,
-        batch_size: int = 512,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         context: Float[Array, "n context"] | None = None,
         mesh: MeshSpec = None,
     ):
