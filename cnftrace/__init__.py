@@ -41,6 +41,7 @@ from ._multiscale import (
 from ._nets import (
     ConcatSquashLinear as ConcatSquashLinear,
     ConcatSquashMLP as ConcatSquashMLP,
+    MLPField as MLPField,
 )
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
 from ._objectives import (

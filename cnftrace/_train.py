@@ -230,9 +230,12 @@ def fit(
         print(history["loss"][-1], history["nfe"][-1])
         ```
     """
-    for name, value in (("steps", steps), ("log_every", log_every)):
+    for name, value in (
+        ("steps", steps),
+        ("log_every", log_every),
+        ("max_failures", max_failures),
+    ):
         check_int(name, value)
-    check_int("max_failures", max_failures)
     trainer = Trainer(
         data,
         key=key,
@@ -259,7 +262,7 @@ def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validatio
         validation.context,
         flow.context_dim,
         data.shape[0],
-        name="validation_context",
+        name="validation.context",
         broadcast=False,
         host=True,
     )

@@ -1,5 +1,12 @@
-"""Data sets: FFJORD's eight toy 2-D distributions, scikit-learn's bundled data."""
+"""Data sets: FFJORD's eight toy 2-D distributions, densities known exactly in any
+dimension, scikit-learn's bundled data."""
 
+from ._known import (
+    MARGINALS as MARGINALS,
+    KnownDensity as KnownDensity,
+    gaussian_mixture as gaussian_mixture,
+    rotated_product as rotated_product,
+)
 from ._mnist import (
     load_mnist_idx as load_mnist_idx,
     read_idx as read_idx,
@@ -40,7 +47,9 @@ __all__ = [
     "ALL_DATASETS",
     "DIGIT_LEVELS",
     "LOGIT_ALPHA",
+    "MARGINALS",
     "DataSource",
+    "KnownDensity",
     "TABULAR_DATASETS",
     "TOY_DATASETS",
     "UCI_DATASETS",
@@ -51,12 +60,14 @@ __all__ = [
     "dequantize",
     "digits_from_logit",
     "gaussian_baseline_nll",
+    "gaussian_mixture",
     "load_digits",
     "load_mnist_idx",
     "load_tabular",
     "load_uci",
     "logit_transform",
     "read_idx",
+    "rotated_product",
     "toy_entropy",
     "toy_entropy_is_exact",
     "toy_log_prob",

@@ -1,0 +1,227 @@
+"""B4, quality per step and per second: cnftrace's default recipe beside zuko's CNF on
+densities whose log-density is known, in one run.
+
+The densities (no downloads): `rotated_product(5)` (a rotation of five independent
+1-D densities), `gaussian_mixture(12, 6)` (six anisotropic Gaussians in 12-D), and
+FFJORD's 8gaussians, checkerboard and rings. The gap is `flow NLL - true NLL` on the
+same held-out points (20,000 by default), exact trace for both systems, with its paired
+standard error; rings has no closed-form density, so its gap is taken against its
+(numerically computed) entropy and the standard error is the NLL's.
+
+cnftrace runs the README's first example: `MLPField(d)`, `CNF(field, d)` and `fit`
+with its defaults, given only the number of steps and the batch size. zuko 1.6 runs
+`zuko.flows.CNF` with hidden features (64, 64, 64), tanh, its time span set to
+[0, 0.5], its exact trace (its default), its tolerances (atol 1e-6, rtol 1e-5), and
+Adam at a constant 1e-3: the configuration of the issue that asked for this benchmark.
+Both train on the same number of fresh samples per step, drawn by the same sampler.
+
+Equal steps: both gaps after `steps` steps. Equal seconds: zuko is evaluated (off the
+clock) at the training second where cnftrace finished, and at its own end; so the
+"equal seconds" column compares cnftrace's final model with zuko's model at that same
+training time.
+"""
+
+import math
+import time
+
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import cnftrace
+from cnftrace.datasets import (
+    gaussian_mixture,
+    rotated_product,
+    toy_entropy,
+    toy_log_prob,
+    toy_sample,
+)
+
+TEST_SEED = 4040
+DENSITIES = ("product5", "mixture12", "8gaussians", "checkerboard", "rings")
+
+
+class Target:
+    """One density of B4: its dimension, a sampler `(key, n) -> (n, d)` float32, and
+    the true log-density of test points (`None` where only the entropy is known)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "product5":
+            density = rotated_product(5, seed=0)
+        elif name == "mixture12":
+            density = gaussian_mixture(12, components=6, seed=0)
+        elif name in ("8gaussians", "checkerboard", "rings"):
+            density = None
+        else:
+            raise ValueError(f"unknown B4 density {name!r}; choose from {DENSITIES}.")
+        self.density = density
+        self.dim = 2 if density is None else density.dim
+        self.entropy = toy_entropy(name) if name == "rings" else None
+
+    def sample(self, key, n):
+        if self.density is None:
+            return toy_sample(self.name, key, n, dtype=jnp.float32)
+        return self.density.sample(key, n, jnp.float32)
+
+    def true_log_prob(self, x) -> np.ndarray | None:
+        if self.name == "rings":
+            return None
+        x64 = np.asarray(x, np.float64)
+        if self.density is None:
+            return np.asarray(toy_log_prob(self.name, x64), np.float64)
+        return np.asarray(self.density.log_prob(x64), np.float64)
+
+    def test_set(self, n: int):
+        return self.sample(jr.key(TEST_SEED), n)
+
+
+def gap_and_se(target: Target, test, model_logp: np.ndarray) -> tuple[float, float]:
+    """The gap `model NLL - true NLL` on `test` and its (paired) standard error."""
+    model_logp = np.asarray(model_logp, np.float64)
+    if not np.all(np.isfinite(model_logp)):
+        return math.inf, math.inf
+    true = target.true_log_prob(test)
+    if true is None:
+        diff = -model_logp - target.entropy
+    else:
+        diff = true - model_logp
+    return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(diff.size))
+
+
+def cnftrace_log_prob(flow, test, chunk: int = 2000) -> np.ndarray:
+    """Per-point log-densities by the exact trace, `chunk` points per solve."""
+    return cnftrace.log_prob_batched(flow, test, batch_size=chunk)
+
+
+def cnftrace_b4(target: Target, steps: int, batch: int, test, seed: int = 0) -> dict:
+    """The README's first example on `target`: training seconds (compile included)
+    and the exact-trace gap after `steps` steps of `batch` samples."""
+    key = jr.key(seed)
+    model_key, train_key = jr.split(key)
+    field = cnftrace.MLPField(target.dim, key=model_key)
+    flow = cnftrace.CNF(field, dim=target.dim)
+    target.sample(jr.key(0), batch).block_until_ready()  # the sampler's compile
+    start = time.perf_counter()
+    flow, history = cnftrace.fit(
+        flow,
+        target.sample,
+        key=train_key,
+        steps=steps,
+        batch_size=batch,
+        progress=False,
+        log_every=max(1, steps // 10),
+    )
+    train_s = time.perf_counter() - start
+    gap, se = gap_and_se(target, test, cnftrace_log_prob(flow, test))
+    return {
+        "system": f"cnftrace {cnftrace.__version__}",
+        "train_s": train_s,
+        "gap": gap,
+        "gap_se": se,
+        "nfe_last": history["nfe"][-1],
+    }
+
+
+def run_b4(
+    names=DENSITIES, steps: int = 2000, batch: int = 512, test_size: int = 20_000
+) -> dict:
+    """B4 for every density in `names`: cnftrace first, then zuko, evaluated at
+    cnftrace's training time and at its own end."""
+    try:
+        from experiments.bench import zuko_peer
+    except ImportError as e:  # the bench extra is not installed
+        zuko_peer, missing = None, str(e)
+    out = {}
+    for name in names:
+        target = Target(name)
+        test = target.test_set(test_size)
+        true = target.true_log_prob(test)
+        row = {"dim": target.dim, "steps": steps, "batch": batch, "n_test": test_size}
+        row["test_true_nll"] = None if true is None else float(-true.mean())
+        row["cnftrace"] = ours = cnftrace_b4(target, steps, batch, test)
+        print(f"B4 {name}: cnftrace {ours}", flush=True)
+        if zuko_peer is None:
+            row["zuko"] = {"missing": missing}
+        else:
+            z = zuko_peer.zuko_b4(
+                target.sample,
+                target.dim,
+                steps,
+                batch,
+                np.asarray(test),
+                eval_at_s=(ours["train_s"],),
+            )
+            peer = {"system": z["system"], "train_s": z["train_s"]}
+            peer["gap"], peer["gap_se"] = gap_and_se(target, test, z["final_logp"])
+            if z["at_s"]:
+                seconds, step, logp = z["at_s"][0]
+                gap, se = gap_and_se(target, test, logp)
+                peer["at_cnftrace_s"] = {"seconds": seconds, "step": step, "gap": gap}
+                peer["at_cnftrace_s"]["gap_se"] = se
+            else:  # zuko finished before cnftrace did
+                peer["at_cnftrace_s"] = {
+                    "seconds": z["train_s"],
+                    "step": steps,
+                    "gap": peer["gap"],
+                    "gap_se": peer["gap_se"],
+                }
+            row["zuko"] = peer
+            print(f"B4 {name}: zuko {peer}", flush=True)
+        out[name] = row
+    return out
+
+
+def b4_markdown(res: dict) -> str:
+    lines = [
+        "| density | d | steps × batch | cnftrace gap | cnftrace s | zuko gap (equal "
+        "steps) | zuko s | zuko gap at cnftrace's seconds (its step) | equal steps "
+        "| equal seconds |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for name, row in res.items():
+        ours, peer = row["cnftrace"], row["zuko"]
+        head = (
+            f"| {name} | {row['dim']} | {row['steps']} × {row['batch']} | "
+            f"{ours['gap']:.4f} ± {ours['gap_se']:.4f} | {ours['train_s']:.0f} |"
+        )
+        if "missing" in peer:
+            lines.append(head + f" zuko not run: {peer['missing']} | | | | |")
+            continue
+        at = peer["at_cnftrace_s"]
+        steps_ok = ours["gap"] <= peer["gap"]
+        secs_ok = ours["gap"] < at["gap"]
+        lines.append(
+            head + f" {peer['gap']:.4f} ± {peer['gap_se']:.4f} | "
+            f"{peer['train_s']:.0f} | {at['gap']:.4f} ± {at['gap_se']:.4f} "
+            f"({at['step']}) | {'cnftrace' if steps_ok else 'zuko'} | "
+            f"{'cnftrace' if secs_ok else 'zuko'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--densities", default=",".join(DENSITIES))
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--test-size", type=int, default=20_000)
+    parser.add_argument("--out", default=None, help="results stem (.json and .md)")
+    args = parser.parse_args(argv)
+    names = tuple(args.densities.split(","))
+    res = run_b4(names, args.steps, args.batch, args.test_size)
+    md = b4_markdown(res)
+    print(md)
+    if args.out:
+        for suffix, text in ((".json", json.dumps(res, indent=1)), (".md", md + "\n")):
+            with open(args.out + suffix + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(args.out + suffix + ".tmp", args.out + suffix)
+
+
+if __name__ == "__main__":
+    main()
