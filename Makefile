@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: venv
-	$(PY) experiments/demo.py
+	$(PY) -m experiments.demo
 
 # One pytest worker per core (`-n auto`): the suite's time is mostly XLA compiling
 # small programs, one core each. A test file runs whole on one worker, so its

@@ -3,12 +3,18 @@
 The public API lives here; the `_`-modules are private.
 """
 
+from ._builders import mlp_flow as mlp_flow, warmup_cosine_adam as warmup_cosine_adam
 from ._checkpoint import CheckpointError as CheckpointError
 from ._estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,
     Hutchinson as Hutchinson,
     divergence as divergence,
+)
+from ._evaluate import (
+    NLL as NLL,
+    evaluate_nll as evaluate_nll,
+    log_prob_batched as log_prob_batched,
 )
 from ._flow import (
     CNF as CNF,
@@ -38,15 +44,20 @@ from ._nets import (
     MLPField as MLPField,
 )
 from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
+from ._objectives import (
+    AbstractObjective as AbstractObjective,
+    MaximumLikelihood as MaximumLikelihood,
+)
 from ._parallel import data_mesh as data_mesh
+from ._runs import load as load, save as save
 from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
-from ._train import (
-    NLL as NLL,
+from ._train import Checkpoints as Checkpoints, Validation as Validation, fit as fit
+from ._trainer import (
+    Trainer as Trainer,
     TrainingError as TrainingError,
-    evaluate_nll as evaluate_nll,
-    fit as fit,
+    TrainState as TrainState,
 )
 
 __version__ = "0.1.0"

@@ -28,10 +28,11 @@ _NAME = re.compile(r"^step_(\d{9})\.ckpt$")
 class CheckpointError(RuntimeError):
     """A checkpoint is unreadable, corrupted, or belongs to another configuration.
 
-    [`fit`][cnftrace.fit] raises it when `checkpoint_dir` holds a checkpoint written
-    under another `config` (the message names the differing entries). Corrupted or
-    truncated files, and files of another architecture, are reported and skipped
-    instead: `fit` resumes from the newest good one, or starts afresh.
+    [`fit`][cnftrace.fit] raises it when its checkpoint directory holds a checkpoint
+    written under another `config` (the message names the differing entries).
+    Corrupted or truncated files, and files of another architecture, are reported and
+    skipped instead: `fit` resumes from the newest good one, or starts afresh.
+    [`load`][cnftrace.load] raises it for a file or run directory it cannot read.
 
     !!! example
 

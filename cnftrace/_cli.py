@@ -15,36 +15,36 @@ import os
 import sys
 import time
 
-import diffrax
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
 
-from ._checkpoint import CheckpointError, _atomic_write, latest_good_checkpoint
-from ._cli_data import (
-    ALL_DATASETS,
-    DataSource,
-    digits_from_logit,
-    get_source,
-    score_report,
-)
-from ._estimators import Exact, Hutchinson
-from ._flow import CNF, AbstractFlow, Chain
-from ._matching import FlowMatching
-from ._nets import ConcatSquashMLP
+from ._builders import ACTIVATIONS, SOLVERS
+from ._checkpoint import CheckpointError, _atomic_write
+from ._cli_data import score_report
+from ._evaluate import evaluate_nll
+from ._flow import AbstractFlow
 from ._parallel import check_batch_size, data_mesh
-from ._train import checkpoint_config, evaluate_nll, fit
-from .datasets import TOY_DATASETS, toy_entropy, toy_entropy_is_exact
+from ._runs import (
+    MODEL_KEYS,
+    load,
+    run_flow,
+    run_objective,
+    run_optimizer,
+    with_defaults,
+)
+from ._train import Checkpoints, Validation, fit
+from .datasets import (
+    ALL_DATASETS,
+    TOY_DATASETS,
+    DataSource,
+    data_source,
+    digits_from_logit,
+    toy_entropy,
+    toy_entropy_is_exact,
+)
 
-_SOLVERS = {
-    "tsit5": diffrax.Tsit5,
-    "dopri5": diffrax.Dopri5,
-    "dopri8": diffrax.Dopri8,
-    "bosh3": diffrax.Bosh3,
-}
 # Default length and batch size of training, per data set where the general default
 # falls short. checkerboard's sharp edges need more and less noisy steps: its exact test
 # NLL came within 0.127 nats of log 32 with 8000 steps of 256 (0.165 with 8000 of 128,
@@ -53,104 +53,18 @@ _RECIPES = {
     None: {"steps": 2400, "batch_size": 128},
     "checkerboard": {"steps": 8000, "batch_size": 256},
 }
-_ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.elu}
-# Settings that define the model and the optimisation; a checkpoint written under other
-# values of these is refused on resume.
-_MODEL_KEYS = (
-    "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
-    "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
-    "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma",
-)  # fmt: skip
-# Values of settings added after a run's config may have been written.
-_LATER_KEYS = {
-    "kinetic_energy": 0.0,
-    "jacobian_norm": 0.0,
-    "learn_t1": False,
-    "objective": "mle",
-    "fm_sigma": 0.0,
-}
-
-
-def _with_defaults(config: dict) -> dict:
-    return {**_LATER_KEYS, **config}
-
-
-def build_flow(config: dict, key, dim: int) -> AbstractFlow:
-    """The flow described by a run's config, for data of dimension `dim`."""
-    activation = _ACTIVATIONS[config["activation"]]
-    keys = jr.split(key, config["blocks"])
-    blocks = [
-        CNF(
-            ConcatSquashMLP(dim, config["width"], config["depth"], activation, key=k),
-            dim,
-            t1=config["t1"],
-            solver=_SOLVERS[config["solver"]](),
-            rtol=config["rtol"],
-            atol=config["atol"],
-            learn_t1=config.get("learn_t1", False),
-        )
-        for k in keys
-    ]
-    return blocks[0] if len(blocks) == 1 else Chain(blocks)
-
-
-def build_optimizer(config: dict) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        config["lr"],
-        warmup_steps=min(50, max(1, config["steps"] // 4)),
-        decay_steps=max(config["steps"], 2),
-        end_value=config["lr"] / 20,
-    )
-    return optax.chain(optax.clip_by_global_norm(config["clip"]), optax.adam(schedule))
-
-
-def build_objective(config: dict) -> str | FlowMatching:
-    """`fit`'s `objective` for a run's config."""
-    if config["objective"] == "mle":
-        return "mle"
-    coupling = "ot" if config["objective"] == "ot-fm" else "independent"
-    return FlowMatching(sigma=config["fm_sigma"], coupling=coupling)
-
-
-def _train_estimator(config: dict):
-    if config["estimator"] == "exact":
-        return Exact()
-    return Hutchinson(config["num_probes"], config["estimator"])
 
 
 def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        raise SystemExit(
-            f"error: {run_dir} is not a cnftrace run directory (no config.json). "
-            "Create one with `cnftrace train --run-dir DIR`."
+    """A trained run (by `cnftrace.load`) with its config, step and data source."""
+    if not os.path.isdir(run_dir):
+        raise CheckpointError(
+            f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
+            "with `cnftrace train --run-dir DIR`."
         )
-    with open(path) as f:
-        config = _with_defaults(json.load(f))
-    source = get_source(config["data"])
-    flow = build_flow(config, jr.key(config["seed"]), source.dim)
-    params, static = eqx.partition(flow, eqx.is_inexact_array)
-    opt_state = build_optimizer(config).init(params)
-    like = (params, opt_state, jax.random.key_data(jr.key(config["seed"])), params)
-    found = latest_good_checkpoint(
-        os.path.join(run_dir, "checkpoints"),
-        like,
-        checkpoint_config(
-            flow,
-            config["batch_size"],
-            _train_estimator(config),
-            {k: config[k] for k in _MODEL_KEYS},
-            config["kinetic_energy"],
-            config["jacobian_norm"],
-            build_objective(config),
-        ),
-        warn=lambda m: print(f"warning: {m}", file=sys.stderr),
-    )
-    if found is None:
-        raise SystemExit(f"error: no usable checkpoint in {run_dir}/checkpoints.")
-    step, (_, _, _, best_params), _ = found  # the best (or, untracked, the last)
-    return config, eqx.combine(best_params, static), step, source
+    flow, info = load(run_dir, return_info=True)
+    config = info["config"]
+    return config, flow, info["step"], data_source(config["data"])
 
 
 def cmd_datasets(args) -> int:
@@ -232,13 +146,13 @@ def _initialize_distributed() -> None:
 def cmd_train(args) -> int:
     apply_recipe(args)
     mesh = _training_mesh(args)
-    config = {k: getattr(args, k) for k in _MODEL_KEYS}
+    config = {k: getattr(args, k) for k in MODEL_KEYS}
     os.makedirs(os.path.join(args.run_dir, "checkpoints"), exist_ok=True)
     config_path = os.path.join(args.run_dir, "config.json")
     if os.path.exists(config_path):
         with open(config_path) as f:
-            old = _with_defaults(json.load(f))
-        diffs = [k for k in _MODEL_KEYS if old.get(k) != config[k]]
+            old = with_defaults(json.load(f))
+        diffs = [k for k in MODEL_KEYS if old.get(k) != config[k]]
         if diffs:
             raise SystemExit(
                 f"error: {args.run_dir} holds a run with other settings ("
@@ -250,8 +164,8 @@ def cmd_train(args) -> int:
     _atomic_write(config_path, json.dumps(config, indent=2).encode())
     key = jr.key(args.seed)
     model_key, train_key = jr.split(key)
-    source = get_source(args.data)
-    flow = build_flow(config, model_key, source.dim)
+    source = data_source(args.data)
+    flow = run_flow(config, model_key, source.dim)
     tty = sys.stderr.isatty() and not args.no_progress
     metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
     last = {"t": time.perf_counter(), "step": None}
@@ -272,25 +186,26 @@ def cmd_train(args) -> int:
                     flush=True,
                 )
 
+        validation = None
+        if source.validation is not None:
+            validation = Validation(source.validation, every=args.checkpoint_every)
         flow, history = fit(
             flow,
             source.train,
             key=train_key,
             steps=args.steps,
             batch_size=args.batch_size,
-            optimizer=build_optimizer(config),
-            estimator=_train_estimator(config),
-            progress=tty,
-            checkpoint_dir=os.path.join(args.run_dir, "checkpoints"),
-            checkpoint_every=args.checkpoint_every,
-            config={k: config[k] for k in _MODEL_KEYS},
-            on_log=on_log,
-            validation=source.validation,
-            validate_every=args.checkpoint_every,
-            kinetic_weight=args.kinetic_energy,
-            jacobian_weight=args.jacobian_norm,
+            objective=run_objective(config),
+            optimizer=run_optimizer(config),
+            validation=validation,
+            checkpoints=Checkpoints(
+                os.path.join(args.run_dir, "checkpoints"),
+                every=args.checkpoint_every,
+                config=config,
+            ),
             mesh=mesh,
-            objective=build_objective(config),
+            progress=tty,
+            on_log=on_log,
         )
     print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
     return 0
@@ -419,7 +334,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=1, help="number of CNF blocks")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=3, help="hidden layers per block")
-    p.add_argument("--activation", default="tanh", choices=sorted(_ACTIVATIONS))
+    p.add_argument("--activation", default="tanh", choices=sorted(ACTIVATIONS))
     p.add_argument("--t1", type=float, default=0.5, help="integration time")
     p.add_argument(
         "--learn-t1",
@@ -455,7 +370,7 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="SIGMA",
         help="width of flow matching's Gaussian paths at the data end, in [0, 1)",
     )
-    p.add_argument("--solver", default="tsit5", choices=sorted(_SOLVERS))
+    p.add_argument("--solver", default="tsit5", choices=sorted(SOLVERS))
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
+from ._checks import is_int
 from ._custom_types import Key
 
 _SAMPLERS = ("rademacher", "gaussian", "sphere")
@@ -203,8 +204,7 @@ class Hutchinson(AbstractEstimator):
         sampler: Literal["rademacher", "gaussian", "sphere"] = "rademacher",
     ):
         # Checked before assignment: a JAX array must never become a static field.
-        # `bool` is a subclass of `int`, but `num_probes=True` is surely a mistake.
-        if isinstance(num_probes, bool) or not isinstance(num_probes, int):
+        if not is_int(num_probes):
             raise ValueError(
                 "`num_probes` must be a Python int (it fixes array shapes, so it "
                 f"cannot be a JAX array or a float); got {num_probes!r} of type "
@@ -268,6 +268,16 @@ class Hutchinson(AbstractEstimator):
         axes = tuple(range(1, probes.ndim))
         div = jnp.mean(jnp.sum(probes * jvps, axis=axes))
         return fy, div, jnp.mean(jnp.sum(jvps**2, axis=axes))
+
+
+def check_estimator(estimator, name: str = "estimator") -> None:
+    """A `TypeError` naming every trace estimator unless `estimator` is one."""
+    if not isinstance(estimator, AbstractEstimator):
+        raise TypeError(
+            f"`{name}` must be a trace estimator: `cnftrace.Exact()`, "
+            "`cnftrace.Hutchinson(...)`, `cnftrace.HutchPlusPlus(...)` or "
+            f"`cnftrace.XTrace(...)`; got {type(estimator).__name__}."
+        )
 
 
 def divergence(

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
+from ._checks import check_context, check_int, is_int
 from ._custom_types import Key, VectorField
-from ._estimators import AbstractEstimator, Exact
+from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._norm import max_rms_norm, max_rms_seminorm
 from ._term import CNFTerm, StateTerm
 
@@ -42,9 +43,17 @@ class SolveStats(eqx.Module):
         `BacksolveAdjoint`, where also each rejection of the very first step costs an
         uncounted evaluation); the tests check it against a count of real
         evaluations. It is `-1` for solvers whose cost per step is not known.
+    - `result`: how each solve ended, a `diffrax.RESULTS` (`successful`, or
+        `max_steps_reached` when the solver hit the block's `max_steps`, ...).
 
     Each field has shape `(blocks,)`, in the order data passes the blocks. Every
     flow method returns one with `return_stats=True`.
+
+    Solves never raise inside [`transform`][cnftrace.AbstractFlow.transform]: a
+    failure travels as `result`. The public methods (`log_prob`, `sample`, ...)
+    raise diffrax's message for it (an `equinox.error_if`, so under `jit` too);
+    [`fit`][cnftrace.fit] reads it from each step and stops with a
+    [`TrainingError`][cnftrace.TrainingError] naming the step.
 
     !!! example
 
@@ -53,6 +62,7 @@ class SolveStats(eqx.Module):
         flow = cnftrace.Chain([cnftrace.CNF(field, 2), cnftrace.CNF(field, 2)])
         logp, stats = flow.log_prob(jnp.zeros((8, 2)), return_stats=True)
         print(stats.nfe, stats.total_nfe)  # per block, and all together
+        print(stats.max_steps_reached)  # [False False]
         ```
     """
 
@@ -60,11 +70,31 @@ class SolveStats(eqx.Module):
     num_accepted: Int[Array, " blocks"]
     num_rejected: Int[Array, " blocks"]
     nfe: Int[Array, " blocks"]
+    result: diffrax.RESULTS
 
     @property
     def total_nfe(self) -> Int[Array, ""]:
         """The evaluations of all blocks together."""
         return jnp.sum(self.nfe)
+
+    @property
+    def failed(self) -> Bool[Array, " blocks"]:
+        """Whether each block's solve failed (any result but `successful`)."""
+        return self.result != diffrax.RESULTS.successful
+
+    @property
+    def max_steps_reached(self) -> Bool[Array, " blocks"]:
+        """Whether each block's solve stopped at its `max_steps`."""
+        return self.result == diffrax.RESULTS.max_steps_reached
+
+    def first_failure(self) -> diffrax.RESULTS:
+        """The result of the first block whose solve failed, in the order data
+        passes the blocks; `diffrax.RESULTS.successful` if none did."""
+        out = diffrax.RESULTS.successful
+        for i in reversed(range(self.nfe.shape[0])):
+            block = jax.tree_util.tree_map(lambda v, i=i: v[i], self.result)
+            out = diffrax.RESULTS.where(block != diffrax.RESULTS.successful, block, out)
+        return out
 
     @staticmethod
     def concatenate(stats: Sequence["SolveStats"]) -> "SolveStats":
@@ -151,8 +181,8 @@ class Regularization(eqx.Module):
 
     Returned by
     [`log_prob_and_regularization`][cnftrace.AbstractFlow.log_prob_and_regularization];
-    [`fit`][cnftrace.fit] adds their batch means to the loss with `kinetic_weight` and
-    `jacobian_weight`.
+    [`MaximumLikelihood`][cnftrace.MaximumLikelihood] adds their batch means to the loss
+    with its `kinetic_weight` and `jacobian_weight`.
 
     !!! example
 
@@ -173,42 +203,11 @@ class Regularization(eqx.Module):
         )
 
 
-def _validate_context(
-    context, context_dim: int | None, n: int, unbatched: bool
-) -> Array | None:
-    """`context` as an array of shape `(n, context_dim)`, or a clear error."""
-    if context_dim is None:
-        if context is not None:
-            raise ValueError(
-                "this flow is not conditional, so it takes no `context`; build its "
-                "blocks with `context_dim=...` (and a vector field that takes the "
-                "context as its `args`) to condition on one."
-            )
-        return None
-    if context is None:
-        raise ValueError(
-            f"this flow is conditional (context_dim={context_dim}) and needs "
-            f"`context`: an array of shape ({context_dim},) for all samples, or "
-            f"(n, {context_dim}) with one row per sample."
-        )
-    context = jnp.asarray(context)
-    if not jnp.issubdtype(context.dtype, jnp.floating):
-        raise TypeError(
-            f"`context` has dtype {context.dtype}; a context must be floating point "
-            "(one-hot encode labels, e.g. `jax.nn.one_hot(labels, num_classes)`)."
-        )
-    if context.shape == (context_dim,):
-        context = jnp.broadcast_to(context, (n, context_dim))
-    elif unbatched or context.shape != (n, context_dim):
-        want = f"({context_dim},)" + ("" if unbatched else f" or ({n}, {context_dim})")
-        raise ValueError(
-            f"`context` has shape {context.shape}; this call needs shape {want}."
-        )
-    return eqx.error_if(
-        context,
-        jnp.any(~jnp.isfinite(context)),
-        "`context` contains NaN or inf; pass finite contexts.",
-    )
+def _raise_on_failure(out, stats: SolveStats):
+    """`out`, after a runtime check that every solve behind it succeeded: a failed
+    solve raises diffrax's message for its result."""
+    result = stats.first_failure()
+    return result.error_if(out, result != diffrax.RESULTS.successful)
 
 
 class AbstractFlow(eqx.Module):
@@ -221,8 +220,12 @@ class AbstractFlow(eqx.Module):
     at each block's `t0`, the base at `t1`: `forward` maps data to the base, `inverse`
     and `sample` the other way.
 
-    Subclasses implement [`transform`][cnftrace.AbstractFlow.transform],
-    `event_shape`, `estimators` and `with_estimator`; everything else is defined here.
+    Every flow says what it holds: `blocks`, its CNF blocks in the order data passes
+    them (a [`CNF`][cnftrace.CNF] is its own one block; chains of chains are
+    flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
+    entries. Subclasses provide `blocks` (an `equinox.AbstractVar`: a field or a
+    property), [`transform`][cnftrace.AbstractFlow.transform], `event_shape` and
+    `with_estimator`; everything else is defined here.
 
     !!! example
 
@@ -233,8 +236,11 @@ class AbstractFlow(eqx.Module):
         z = flow.forward(x)                # back to the base
         logp = flow.log_prob(x)            # (5,)
         x2, logp2 = flow.sample_and_log_prob(jr.key(1), 5)
+        print(len(flow.blocks))  # 1: a CNF is its own one block
         ```
     """
+
+    blocks: eqx.AbstractVar[tuple["CNF", ...]]
 
     @property
     @abc.abstractmethod
@@ -247,9 +253,17 @@ class AbstractFlow(eqx.Module):
         is not conditional."""
         return None
 
-    @abc.abstractmethod
     def estimators(self) -> tuple[AbstractEstimator, ...]:
         """The trace estimators of the blocks."""
+        return tuple(b.estimator for b in self.blocks)
+
+    @property
+    def composes_blocks(self) -> bool:
+        """Whether the flow's map is its blocks' maps one after the other, all on
+        samples of `event_shape` (what flow matching needs). True for a `CNF` and a
+        `Chain` of such flows; a `MultiscaleFlow` squeezes and factors out between
+        its blocks."""
+        return False
 
     @abc.abstractmethod
     def with_estimator(self, estimator: AbstractEstimator) -> "AbstractFlow":
@@ -280,6 +294,9 @@ class AbstractFlow(eqx.Module):
         backward evaluations of the blocks' vector fields (see
         [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]). `context`: one row per
         sample, for conditional flows.
+
+        A solve that fails (its step limit, say) does not raise here: its
+        `stats.result` says so, for the caller to check.
         """
 
     # ------------------------------------------------------------------ public API
@@ -309,10 +326,12 @@ class AbstractFlow(eqx.Module):
         `(log_prob, stats)`.
         """
         x, unbatched = _validate_input(x, self.event_shape, "x")
-        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
+        context = check_context(
+            context, self.context_dim, x.shape[0], unbatched=unbatched
+        )
         _need_key(key, self.estimators())
         out, stats = self._batch_log_prob(x, key, context=context)
-        out = out[0] if unbatched else out
+        out = _raise_on_failure(out[0] if unbatched else out, stats)
         return (out, stats) if return_stats else out
 
     def log_prob_and_regularization(
@@ -339,9 +358,12 @@ class AbstractFlow(eqx.Module):
         x, unbatched = _validate_input(x, self.event_shape, "x")
         if unbatched:
             raise ValueError(f"`x` must be a batch of shape (n, *{self.event_shape}).")
-        context = _validate_context(context, self.context_dim, x.shape[0], False)
+        context = check_context(context, self.context_dim, x.shape[0])
         _need_key(key, self.estimators())
-        return self._batch_log_prob(x, key, context=context, regularize=True)
+        logp, reg, stats = self._batch_log_prob(
+            x, key, context=context, regularize=True
+        )
+        return _raise_on_failure(logp, stats), reg, stats
 
     def _batch_log_prob(
         self, x, key, counter=None, *, context=None, regularize: bool = False
@@ -388,10 +410,11 @@ class AbstractFlow(eqx.Module):
         An array of shape `(n, *event_shape)`; with `return_stats`, a pair.
         """
         z = self._base_sample(key, n, dtype)
-        context = _validate_context(context, self.context_dim, n, False)
+        context = check_context(context, self.context_dim, n)
         x, _, stats, _ = self.transform(
             z, inverse=True, log_det=False, key=None, context=context
         )
+        x = _raise_on_failure(x, stats)
         return (x, stats) if return_stats else x
 
     def sample_and_log_prob(
@@ -418,11 +441,12 @@ class AbstractFlow(eqx.Module):
         """
         base_key, probe_key = jr.split(key)
         z = self._base_sample(base_key, n, dtype)
-        context = _validate_context(context, self.context_dim, n, False)
+        context = check_context(context, self.context_dim, n)
         x, log_det, stats, _ = self.transform(
             z, inverse=True, log_det=True, key=probe_key, context=context
         )
         logp = _standard_normal_log_prob(z, len(self.event_shape)) - log_det
+        x, logp = _raise_on_failure((x, logp), stats)
         return (x, logp, stats) if return_stats else (x, logp)
 
     def forward(
@@ -510,29 +534,33 @@ class AbstractFlow(eqx.Module):
     # ------------------------------------------------------------------ helpers
 
     def _base_sample(self, key, n, dtype):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"`n` must be a positive Python int; got {n!r}.")
+        check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else dtype
         return jr.normal(key, (n,) + self.event_shape, dtype)
 
     def _map(self, x, inverse, context, return_stats, name):
         x, unbatched = _validate_input(x, self.event_shape, name)
-        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
+        context = check_context(
+            context, self.context_dim, x.shape[0], unbatched=unbatched
+        )
         y, _, stats, _ = self.transform(
             x, inverse=inverse, log_det=False, key=None, context=context
         )
-        y = y[0] if unbatched else y
+        y = _raise_on_failure(y[0] if unbatched else y, stats)
         return (y, stats) if return_stats else y
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
         x, unbatched = _validate_input(x, self.event_shape, name)
-        context = _validate_context(context, self.context_dim, x.shape[0], unbatched)
+        context = check_context(
+            context, self.context_dim, x.shape[0], unbatched=unbatched
+        )
         _need_key(key, self.estimators())
         y, log_det, stats, _ = self.transform(
             x, inverse=inverse, log_det=True, key=key, context=context
         )
         if unbatched:
             y, log_det = y[0], log_det[0]
+        y, log_det = _raise_on_failure((y, log_det), stats)
         return (y, log_det, stats) if return_stats else (y, log_det)
 
 
@@ -555,8 +583,9 @@ class CNF(AbstractFlow):
     - `adjoint`: how to differentiate the solve; `diffrax.RecursiveCheckpointAdjoint()`
         by default. `diffrax.BacksolveAdjoint()` (O(1) memory, FFJORD's choice) and
         `diffrax.DirectAdjoint()` work too.
-    - `estimator`: [`Exact`][cnftrace.Exact] (default) or
-        [`Hutchinson`][cnftrace.Hutchinson].
+    - `estimator`: the trace estimator: [`Exact`][cnftrace.Exact] (default),
+        [`Hutchinson`][cnftrace.Hutchinson], [`HutchPlusPlus`][cnftrace.HutchPlusPlus]
+        or [`XTrace`][cnftrace.XTrace].
     - `max_steps`: the solver's step limit.
     - `dt0`: the initial step; `None` (default) chooses it per solve with Hairer's
         heuristic from two plain evaluations of the field (counted in the NFE).
@@ -624,11 +653,9 @@ class CNF(AbstractFlow):
                 "`vector_field` must be callable as `f(t, z, args)`; got "
                 f"{type(vector_field).__name__}."
             )
-        if isinstance(dim, int) and not isinstance(dim, bool):
-            shape = (dim,)
-        elif isinstance(dim, tuple) and all(
-            isinstance(s, int) and not isinstance(s, bool) for s in dim
-        ):
+        if is_int(dim):
+            shape = (int(dim),)
+        elif isinstance(dim, tuple) and all(is_int(s) for s in dim):
             shape = dim
         else:
             raise ValueError(
@@ -640,20 +667,9 @@ class CNF(AbstractFlow):
             raise ValueError(f"need `t1 > t0`; got t0={t0}, t1={t1}.")
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
-        if (
-            isinstance(max_steps, bool)
-            or not isinstance(max_steps, int)
-            or (max_steps < 1)
-        ):
-            raise ValueError(f"`max_steps` must be a positive int; got {max_steps!r}.")
-        if context_dim is not None and (
-            isinstance(context_dim, bool)
-            or not isinstance(context_dim, int)
-            or context_dim < 1
-        ):
-            raise ValueError(
-                f"`context_dim` must be a positive int or None; got {context_dim!r}."
-            )
+        check_int("max_steps", max_steps)
+        if context_dim is not None:
+            check_int("context_dim", context_dim)
         if context_dim is not None and args is not None:
             raise ValueError(
                 "a conditional flow passes each sample's context to the vector field "
@@ -670,11 +686,7 @@ class CNF(AbstractFlow):
                 "initial end time); the flow then holds the span as a parameter."
             )
         estimator = Exact() if estimator is None else estimator
-        if not isinstance(estimator, AbstractEstimator):
-            raise TypeError(
-                "`estimator` must be `cnftrace.Exact()` or `cnftrace.Hutchinson(...)`; "
-                f"got {type(estimator).__name__}."
-            )
+        check_estimator(estimator)
         self.vector_field = vector_field
         self.shape = shape
         self.t0 = t0
@@ -707,15 +719,22 @@ class CNF(AbstractFlow):
         return self.t0 + jnp.exp(self._end) if self.learn_t1 else self._end
 
     @property
+    def blocks(self) -> tuple["CNF"]:
+        """`(self,)`: a CNF is its own one block."""
+        return (self,)
+
+    @property
+    def composes_blocks(self) -> bool:
+        """True: a CNF's map is its one block's."""
+        return True
+
+    @property
     def event_shape(self) -> tuple[int, ...]:
         return self.shape
 
     @property
     def context_dim(self) -> int | None:
         return self.context_size
-
-    def estimators(self):
-        return (self.estimator,)
 
     def with_estimator(self, estimator: AbstractEstimator) -> "CNF":
         return eqx.tree_at(lambda f: f.estimator, self, estimator)
@@ -808,6 +827,9 @@ class CNF(AbstractFlow):
             adjoint=adjoint,
             max_steps=self.max_steps,
             saveat=diffrax.SaveAt(t1=True),
+            # A failure travels in the stats' `result`: the public methods raise it,
+            # `fit` reads it at its next host sync.
+            throw=False,
         )
         reg = None
         if log_det:
@@ -881,20 +903,23 @@ class CNF(AbstractFlow):
             num_accepted=accepted[None],
             num_rejected=rejected[None],
             nfe=jnp.asarray(nfe)[None],
+            result=jax.tree_util.tree_map(lambda v: jnp.asarray(v)[None], sol.result),
         )
 
 
 class Chain(AbstractFlow):
-    """A chain of flow blocks over one standard-normal base.
+    """A chain of flows over one standard-normal base.
 
-    Data passes through `blocks[0]`, then `blocks[1]`, ... towards the base;
-    sampling runs the blocks in reverse order. `log_prob` adds up the blocks'
-    log-determinants.
+    Data passes through `flows[0]`, then `flows[1]`, ... towards the base;
+    sampling runs them in reverse order. `log_prob` adds up their log-determinants.
+    `blocks` lists every CNF block of the chain in data order, with chains of chains
+    flattened.
 
     **Arguments:**
 
-    - `blocks`: a sequence of [`CNF`][cnftrace.CNF] blocks (or other flows) with the
-        same `event_shape` (and the same `context_dim`, passed to every block).
+    - `flows`: a sequence of [`CNF`][cnftrace.CNF] blocks (or other flows, chains
+        included) with the same `event_shape` (and the same `context_dim`, passed to
+        every one).
 
     !!! example
 
@@ -906,47 +931,58 @@ class Chain(AbstractFlow):
         ]
         flow = cnftrace.Chain(blocks)
         logp = flow.log_prob(jnp.zeros((4, 2)))
+        nested = cnftrace.Chain([flow, blocks[0]])
+        print(len(nested.blocks))  # 4: chains are flattened
         ```
     """
 
-    blocks: tuple[AbstractFlow, ...]
+    flows: tuple[AbstractFlow, ...]
 
-    def __init__(self, blocks: Sequence[AbstractFlow]):
-        blocks = tuple(blocks)
-        if not blocks:
-            raise ValueError("`blocks` must hold at least one flow block.")
-        for i, b in enumerate(blocks):
+    def __init__(self, flows: Sequence[AbstractFlow]):
+        flows = tuple(flows)
+        if not flows:
+            raise ValueError(
+                "`flows` must hold at least one flow (CNF blocks, or chains of them)."
+            )
+        for i, b in enumerate(flows):
             if not isinstance(b, AbstractFlow):
                 raise TypeError(
-                    f"`blocks[{i}]` must be a cnftrace flow (e.g. `cnftrace.CNF`); got "
+                    f"`flows[{i}]` must be a cnftrace flow (e.g. `cnftrace.CNF`); got "
                     f"{type(b).__name__}."
                 )
-        shapes = {b.event_shape for b in blocks}
+        shapes = {b.event_shape for b in flows}
         if len(shapes) != 1:
             raise ValueError(
                 f"all blocks must model samples of one shape; got shapes {shapes}."
             )
-        contexts = {b.context_dim for b in blocks}
+        contexts = {b.context_dim for b in flows}
         if len(contexts) != 1:
             raise ValueError(
                 "all blocks must take the same context (the same `context_dim`, or "
                 f"none); got context_dim values {contexts}."
             )
-        self.blocks = blocks
+        self.flows = flows
+
+    @property
+    def blocks(self) -> tuple["CNF", ...]:
+        """Every CNF block of the chain, in data order (chains flattened)."""
+        return tuple(b for f in self.flows for b in f.blocks)
+
+    @property
+    def composes_blocks(self) -> bool:
+        """Whether every flow of the chain composes its blocks."""
+        return all(f.composes_blocks for f in self.flows)
 
     @property
     def event_shape(self):
-        return self.blocks[0].event_shape
+        return self.flows[0].event_shape
 
     @property
     def context_dim(self):
-        return self.blocks[0].context_dim
-
-    def estimators(self):
-        return tuple(e for b in self.blocks for e in b.estimators())
+        return self.flows[0].context_dim
 
     def with_estimator(self, estimator):
-        return Chain([b.with_estimator(estimator) for b in self.blocks])
+        return Chain([b.with_estimator(estimator) for b in self.flows])
 
     def transform(
         self,
@@ -959,7 +995,7 @@ class Chain(AbstractFlow):
         context=None,
         regularize=False,
     ):
-        blocks = self.blocks[::-1] if inverse else self.blocks
+        blocks = self.flows[::-1] if inverse else self.flows
         keys = [None] * len(blocks) if key is None else list(jr.split(key, len(blocks)))
         total = jnp.zeros(x.shape[:1], x.dtype) if log_det else None
         all_stats = []

@@ -23,16 +23,21 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._checks import is_number
 from ._custom_types import Key
-from ._flow import CNF, AbstractFlow, Chain
+from ._flow import AbstractFlow
+from ._objectives import AbstractObjective
 
 Coupling = Literal["independent", "ot"]
 
 
-class FlowMatching(eqx.Module):
+class FlowMatching(AbstractObjective):
     """The conditional flow-matching objective, for [`fit`][cnftrace.fit]'s
     `objective` (the strings `"fm"` and `"ot-fm"` stand for its two couplings with
-    `sigma = 0`).
+    `sigma = 0`): the loss of [`flow_matching_loss`][cnftrace.flow_matching_loss],
+    with no ODE solve in the training step. It trains a `CNF` or a `Chain` of them
+    with fixed end times; the history records one forward and one backward
+    evaluation of the field per step.
 
     **Arguments:**
 
@@ -60,7 +65,7 @@ class FlowMatching(eqx.Module):
     coupling: Coupling = eqx.field(static=True, default="independent")
 
     def __check_init__(self):
-        if isinstance(self.sigma, bool) or not isinstance(self.sigma, (int, float)):
+        if not is_number(self.sigma):
             raise TypeError(f"`sigma` must be a number; got {self.sigma!r}.")
         if not 0 <= self.sigma < 1:
             raise ValueError(f"`sigma` must be in [0, 1); got {self.sigma!r}.")
@@ -69,44 +74,43 @@ class FlowMatching(eqx.Module):
                 f"`coupling` must be 'independent' or 'ot'; got {self.coupling!r}."
             )
 
+    def loss(self, flow, x, context, key, counter=None):
+        loss = flow_matching_loss(flow, x, key=key, objective=self, context=context)
+        # One evaluation of the field forward and one backward, and no solve.
+        return loss, {"nfe": jnp.asarray(1), "nfe_backward": jnp.asarray(1)}
 
-OBJECTIVES = ("mle", "fm", "ot-fm")
-
-
-def resolve_objective(objective) -> FlowMatching | None:
-    """`None` for maximum likelihood, else the flow-matching objective."""
-    if isinstance(objective, FlowMatching):
-        return objective
-    if objective == "mle":
-        return None
-    if objective == "fm":
-        return FlowMatching()
-    if objective == "ot-fm":
-        return FlowMatching(coupling="ot")
-    raise ValueError(
-        f"`objective` must be one of {', '.join(map(repr, OBJECTIVES))} or a "
-        f"`cnftrace.FlowMatching(...)`; got {objective!r}."
-    )
+    def check(self, flow):
+        check_flow_matching(flow, self)
 
 
-def matching_blocks(flow: AbstractFlow) -> tuple[CNF, ...]:
-    """The CNF blocks whose fields flow matching trains, in data-to-base order, or a
-    clear error for a flow it cannot train."""
-    blocks = flow.blocks if isinstance(flow, Chain) else (flow,)
-    for i, block in enumerate(blocks):
-        if not isinstance(block, CNF):
-            raise TypeError(
-                "flow matching trains a `cnftrace.CNF` or a `cnftrace.Chain` of them; "
-                f"block {i} is a {type(block).__name__}. Train it with "
-                "`objective='mle'`."
-            )
+# The strings `fit` and `flow_matching_loss` take for the two couplings.
+SHORTHANDS = {"fm": FlowMatching(), "ot-fm": FlowMatching(coupling="ot")}
+
+
+def check_flow_matching(flow: AbstractFlow, objective: FlowMatching) -> None:
+    """A clear error for a flow that flow matching cannot train: one whose map is
+    not its blocks' maps one after the other, one that learns its end times, or a
+    conditional flow under the OT coupling."""
+    if not flow.composes_blocks:
+        raise TypeError(
+            "flow matching trains a `cnftrace.CNF` or a `cnftrace.Chain` of them, "
+            "whose map is its blocks' maps one after the other; a "
+            f"{type(flow).__name__} transforms its samples between its blocks. "
+            "Train it with `objective='mle'`."
+        )
+    for i, block in enumerate(flow.blocks):
         if block.learn_t1:
             raise ValueError(
                 "flow matching fixes the time span, so it cannot learn the end time: "
                 f"block {i} was built with `learn_t1=True`. Build it with a fixed "
                 "`t1`, or train with `objective='mle'`."
             )
-    return blocks
+    if objective.coupling == "ot" and flow.context_dim is not None:
+        raise ValueError(
+            "the OT coupling (`objective='ot-fm'`) is not available for a "
+            "conditional flow: pairing across contexts would bias each context's "
+            "base distribution. Use the independent coupling (`objective='fm'`)."
+        )
 
 
 def conditional_path(
@@ -194,14 +198,16 @@ def flow_matching_loss(
         loss = cnftrace.flow_matching_loss(flow, x, key=key, objective="ot-fm")
         ```
     """
-    objective = resolve_objective(objective)
-    if objective is None:
+    if isinstance(objective, str):
+        objective = SHORTHANDS.get(objective, objective)
+    if not isinstance(objective, FlowMatching):
         raise ValueError(
             "`objective` must be a flow-matching objective ('fm', 'ot-fm' or a "
             "`cnftrace.FlowMatching`); the maximum-likelihood loss is "
-            "`-flow.log_prob(x).mean()`."
+            f"`-flow.log_prob(x).mean()`. Got {objective!r}."
         )
-    blocks = matching_blocks(flow)
+    check_flow_matching(flow, objective)
+    blocks = flow.blocks
     x = jnp.asarray(x)
     if x.ndim != 1 + len(flow.event_shape) or x.shape[1:] != flow.event_shape:
         raise ValueError(
@@ -211,12 +217,6 @@ def flow_matching_loss(
         raise ValueError(
             "`context` must be given exactly when the flow is conditional "
             f"(context_dim={flow.context_dim})."
-        )
-    if context is not None and objective.coupling == "ot":
-        raise ValueError(
-            "the OT coupling is not available for conditional flows: pairing across "
-            "contexts would bias each context's base distribution. Use the "
-            "independent coupling ('fm')."
         )
     n, k = x.shape[0], len(blocks)
     time_key, noise_key = jr.split(key)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
+from ._checks import check_int, is_int
 from ._custom_types import Key
 from ._estimators import AbstractEstimator
 from ._flow import CNF, AbstractFlow, Chain, SolveStats
@@ -176,14 +177,14 @@ class ConvField(eqx.Module):
         key: Key,
         dtype=None,
     ):
-        _check_int("channels", channels, 1)
+        check_int("channels", channels, 1)
         if isinstance(hidden, int) or not isinstance(hidden, Sequence):
             raise TypeError(
                 "`hidden` must be a sequence of channel counts, one per hidden layer, "
                 f"e.g. (64, 64, 64); got {hidden!r}."
             )
         for i, h in enumerate(hidden):
-            _check_int(f"hidden[{i}]", h, 1)
+            check_int(f"hidden[{i}]", h, 1)
         if not callable(activation):
             raise TypeError(f"`activation` must be callable; got {activation!r}.")
         sizes = [channels, *hidden, channels]
@@ -217,11 +218,6 @@ class ConvField(eqx.Module):
         for layer in self.layers[:-1]:
             h = self.activation(layer(t, h))
         return self.layers[-1](t, h)
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
 
 
 def default_n_scales(shape: tuple[int, int, int]) -> int:
@@ -290,7 +286,7 @@ class MultiscaleFlow(AbstractFlow):
             key=jr.key(0),
         )
         logp = flow.log_prob(jnp.zeros((4, 1, 8, 8)))  # shape (4,)
-        print(len(flow.blocks()))  # 3: scale 0, its squeezed stack, scale 1
+        print(len(flow.blocks))  # 3: scale 0, its squeezed stack, scale 1
         ```
     """
 
@@ -321,7 +317,7 @@ class MultiscaleFlow(AbstractFlow):
         if not (
             isinstance(shape, (tuple, list))
             and len(shape) == 3
-            and all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+            and all(is_int(s) for s in shape)
             and all(s >= 1 for s in shape)
         ):
             raise ValueError(
@@ -331,8 +327,8 @@ class MultiscaleFlow(AbstractFlow):
         shape = tuple(shape)
         if n_scales is None:
             n_scales = default_n_scales(shape)
-        _check_int("n_scales", n_scales, 1)
-        _check_int("blocks_per_scale", blocks_per_scale, 1)
+        check_int("n_scales", n_scales, 1)
+        check_int("blocks_per_scale", blocks_per_scale, 1)
         c, h, w = shape
         factor = 2 ** (n_scales - 1)
         if h % factor or w % factor:
@@ -398,13 +394,11 @@ class MultiscaleFlow(AbstractFlow):
                 out.append(self.squeezed[i])
         return tuple(out)
 
-    def blocks(self) -> tuple[AbstractFlow, ...]:
+    @property
+    def blocks(self) -> tuple[CNF, ...]:
         """Every CNF block, in the order data passes them (the order of the
         [`SolveStats`][cnftrace.SolveStats] entries)."""
         return tuple(b for chain in self.chains() for b in chain.blocks)
-
-    def estimators(self):
-        return tuple(e for b in self.blocks() for e in b.estimators())
 
     def with_estimator(self, estimator: AbstractEstimator) -> "MultiscaleFlow":
         return eqx.tree_at(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
+from ._checks import check_int
 from ._custom_types import Key
 
 
@@ -133,8 +134,7 @@ class ConcatSquashMLP(eqx.Module):
             ("depth", depth, 0),
             ("context_dim", context_dim, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+            check_int(name, value, low)
         sizes = [dim] + [width] * depth + [dim]
         keys = jr.split(key, len(sizes) - 1)
         layers = [

@@ -22,6 +22,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._checks import is_int
+
 DATA_AXIS = "data"
 
 MeshSpec = Mesh | Literal["all"] | None
@@ -53,7 +55,7 @@ def data_mesh(
     available = jax.devices()
     if devices is None:
         devices = available
-    elif isinstance(devices, int) and not isinstance(devices, bool):
+    elif is_int(devices):
         if not 1 <= devices <= len(available):
             raise ValueError(
                 f"`devices` asks for {devices} devices, but {len(available)} are "

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._checks import is_int
 from ._estimators import AbstractEstimator, Hutchinson
 
 _SAMPLERS = ("rademacher", "gaussian")
@@ -43,7 +44,7 @@ def _checked(
 ) -> tuple[int, str]:
     """Validates an estimator's `num_matvecs` and `sampler` and returns them."""
     # Checked before assignment: a JAX array must never become a static field.
-    if isinstance(num_matvecs, bool) or not isinstance(num_matvecs, int):
+    if not is_int(num_matvecs):
         raise ValueError(
             f"`num_matvecs` of `{name}` must be a Python int (it fixes array shapes, "
             "so it cannot be a JAX array or a float); got "

@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._checkpoint import _default_mode
-from ._estimators import Exact
+from ._evaluate import log_prob_batched
 from ._flow import AbstractFlow
-from ._train import log_prob_and_stats
 
 
 def density_grid(
@@ -54,17 +53,9 @@ def density_grid(
         )
     xs = np.linspace(-lim, lim, resolution)
     grid = np.stack(np.meshgrid(xs, xs), axis=-1).reshape(-1, 2)
-    model = flow.with_estimator(Exact())
-    dtype = jnp.result_type(float)
-    values = [
-        np.asarray(
-            log_prob_and_stats(
-                model, jnp.asarray(grid[i : i + batch_size], dtype), None
-            )[0]
-        )
-        for i in range(0, grid.shape[0], batch_size)
-    ]
-    return xs, xs, np.concatenate(values).reshape(resolution, resolution)
+    grid = jnp.asarray(grid, jnp.result_type(float))
+    logp = log_prob_batched(flow, grid, batch_size=batch_size)  # exact trace
+    return xs, xs, logp.reshape(resolution, resolution)
 
 
 def _atomic_savefig(fig, path: str) -> None:

@@ -1,7 +1,7 @@
 """`make demo`: train a small CNF on 8gaussians, report the exact test NLL beside the
 data's true entropy, and write a picture of the learned density and samples.
 
-    python experiments/demo.py [--steps N] [--seed S] [--out DIR]
+    python -m experiments.demo [--steps N] [--seed S] [--out DIR]
 """
 
 import argparse
@@ -9,11 +9,9 @@ import math
 import os
 import time
 
-import diffrax
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import optax
 
 import cnftrace
 from cnftrace.datasets import toy_entropy, toy_log_prob, toy_sample
@@ -34,18 +32,10 @@ def main(argv=None):
     key = jr.key(args.seed)
     model_key, train_key, test_key, sample_key = jr.split(key, 4)
 
-    field = cnftrace.ConcatSquashMLP(2, width=64, depth=3, key=model_key)
-    flow = cnftrace.CNF(
-        field, dim=2, t1=0.5, solver=diffrax.Tsit5(), rtol=1e-5, atol=1e-5
-    )
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        args.lr,
-        warmup_steps=min(50, args.steps // 4),
-        decay_steps=args.steps,
-        end_value=args.lr / 20,
-    )
-    optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(schedule))
+    # FFJORD's toy model, `mlp_flow`'s defaults: one block, ConcatSquash
+    # 2-64-64-64-2 (tanh), T = 0.5, Tsit5 at rtol = atol = 1e-5.
+    flow = cnftrace.mlp_flow(2, key=model_key)
+    optimizer = cnftrace.warmup_cosine_adam(args.steps, args.lr, clip=10.0)
 
     print(
         f"cnftrace demo: one CNF block (ConcatSquash 2-64-64-64-2, tanh, T=0.5, "
@@ -60,8 +50,8 @@ def main(argv=None):
         key=train_key,
         steps=args.steps,
         batch_size=args.batch_size,
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson()),
         optimizer=optimizer,
-        estimator=cnftrace.Hutchinson(),
         progress=True,
         log_every=10,
     )

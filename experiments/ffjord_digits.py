@@ -17,8 +17,8 @@ The test NLL uses the exact trace. Bits/dim are those of the discrete pixels,
 [0, 1] (the logit's log-determinant subtracted): an upper bound, in the units of the
 Gaussian baseline fitted to the training logits and scored on the same test set.
 
-    python experiments/ffjord_digits.py           # the full run (about 30 minutes)
-    python experiments/ffjord_digits.py --quick   # a smoke run
+    python -m experiments.ffjord_digits           # the full run (about 30 minutes)
+    python -m experiments.ffjord_digits --quick   # a smoke run
 
 Results: experiments/results/ffjord_digits.{json,md,png} (json and md written
 atomically).
@@ -27,34 +27,34 @@ atomically).
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+import diffrax
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from _common import (
+
+import cnftrace
+from cnftrace.datasets import (
+    DIGIT_LEVELS,
+    LOGIT_ALPHA,
+    bits_per_dim,
+    data_source,
+    dequantize,
+    digits_from_logit,
+    gaussian_baseline_nll,
+    load_digits,
+    logit_transform,
+)
+from experiments._common import (
     RESULTS,
-    exact_log_prob,
+    atomic_savefig,
     markdown_table,
     mean_and_stderr,
     progress,
-    warmup_cosine_adam,
     write_results,
 )
-
-import cnftrace
-from cnftrace._cli_data import (
-    DIGIT_LEVELS,
-    LOGIT_ALPHA,
-    digits_from_logit,
-    gaussian_baseline_nll,
-    get_source,
-)
-from cnftrace.datasets import bits_per_dim, dequantize, load_digits, logit_transform
 
 SHAPE = (1, 8, 8)
 DIM = 64
@@ -79,10 +79,8 @@ def save_image_grid(path: str, images: np.ndarray, title: str) -> None:
     ax.imshow(grid, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
     ax.set_axis_off()
     ax.set_title(title, fontsize=9)
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def gaussian_bits_per_dim(test_flat, test_log_det) -> float:
@@ -96,8 +94,6 @@ def gaussian_bits_per_dim(test_flat, test_log_det) -> float:
 
 
 def make_flow(key, shape, hidden, blocks, tol):
-    import diffrax
-
     return cnftrace.MultiscaleFlow(
         shape,
         blocks_per_scale=blocks,
@@ -133,7 +129,7 @@ def main(argv=None):
         args.steps, args.batch_size, args.validate_every = 4, 8, 2
         hidden, args.blocks, args.tol, n_test = (4,), 1, 1e-3, 12
 
-    source = get_source("digits")
+    source = data_source("digits")
     validation = np.asarray(source.validation).reshape(-1, *SHAPE)
     test_seed = 2024
     test_flat = np.asarray(source.test(test_seed, 0))
@@ -151,10 +147,23 @@ def main(argv=None):
         p.size for p in jax.tree_util.tree_leaves(flow) if isinstance(p, jax.Array)
     )
     print(
-        f"multiscale CNF: {flow.n_scales} scales, {len(flow.blocks())} blocks, "
+        f"multiscale CNF: {flow.n_scales} scales, {len(flow.blocks)} blocks, "
         f"hidden {hidden}, {n_params} parameters",
         flush=True,
     )
+
+    checkpoints = None
+    if args.checkpoint_dir is not None:
+        config = {
+            "script": "ffjord_digits",
+            "hidden": list(hidden),
+            "blocks": args.blocks,
+            "tol": args.tol,
+            "lr": args.lr,
+            "steps": args.steps,
+            "seed": args.seed,
+        }
+        checkpoints = cnftrace.Checkpoints(args.checkpoint_dir, config=config)
 
     def log(record):
         if "val_nll" in record:
@@ -171,25 +180,18 @@ def main(argv=None):
         key=train_key,
         steps=args.steps,
         batch_size=args.batch_size,
-        optimizer=warmup_cosine_adam(args.steps, args.lr),
-        estimator=cnftrace.Hutchinson(),
-        validation=validation,
-        validate_every=args.validate_every,
-        patience=args.patience,
-        validation_estimator=cnftrace.Hutchinson(num_probes=4),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson()),
+        optimizer=cnftrace.warmup_cosine_adam(args.steps, args.lr),
+        validation=cnftrace.Validation(
+            validation,
+            every=args.validate_every,
+            patience=args.patience,
+            estimator=cnftrace.Hutchinson(num_probes=4),
+        ),
+        checkpoints=checkpoints,
         log_every=10,
         progress=progress(),
         on_log=log,
-        checkpoint_dir=args.checkpoint_dir,
-        config={
-            "script": "ffjord_digits",
-            "hidden": list(hidden),
-            "blocks": args.blocks,
-            "tol": args.tol,
-            "lr": args.lr,
-            "steps": args.steps,
-            "seed": args.seed,
-        },
     )
     # From the history, so that a resumed run counts the time before it stopped.
     train_seconds = history["seconds"][-1]
@@ -197,7 +199,9 @@ def main(argv=None):
     best_step = history["val_step"][int(np.argmin(history["val_nll"]))]
 
     start = time.perf_counter()
-    logp, eval_nfe = exact_log_prob(trained, jnp.asarray(test), chunk=30)
+    logp, eval_nfe = cnftrace.log_prob_batched(
+        trained, jnp.asarray(test), batch_size=30, return_nfe=True
+    )
     eval_seconds = time.perf_counter() - start
     nll_y = float(-logp.mean())
     per_sample = [bits_per_dim(-lp - ld, DIM) for lp, ld in zip(logp, test_log_det)]
@@ -208,7 +212,7 @@ def main(argv=None):
     samples, stats = trained.sample(sample_key, 64, return_stats=True)
     pixels = digits_from_logit(np.asarray(samples))
     sample_nfe = float(stats.total_nfe)
-    t1s = [float(b.t1) for b in trained.blocks()]
+    t1s = [float(b.t1) for b in trained.blocks]
     tail = history["nfe"][-max(1, len(history["nfe"]) // 10) :]
 
     header = ["model", "test bits/dim", "test NLL (logit space, nats)", "NFE"]
@@ -228,7 +232,7 @@ def main(argv=None):
         f"{test.shape[0]} test images, exact trace; bits/dim of the discrete pixels "
         "± standard error over test images.\n\n"
         + markdown_table(header, rows)
-        + f"\nModel: {flow.n_scales} scales, {len(flow.blocks())} CNF blocks, conv "
+        + f"\nModel: {flow.n_scales} scales, {len(flow.blocks)} CNF blocks, conv "
         f"hidden channels {hidden}, softplus, {n_params} parameters, Tsit5 at rtol = "
         f"atol = {args.tol:g}, learned end times {', '.join(f'{t:.2f}' for t in t1s)}."
         f"\nTraining: {steps_run} steps of {args.batch_size} (best validation at step "

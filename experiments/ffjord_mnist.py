@@ -32,8 +32,8 @@ minutes on both cores of an idle machine), an epoch of 300 steps about 9 days an
 FFJORD's 1,000 epochs decades; and the NFE grows as FFJORD's dynamics stiffen over
 training. The full settings are for a GPU; `--quick` and `--steps` are for a CPU.
 
-    python experiments/ffjord_mnist.py --data-dir DIR   # DIR holds the IDX files
-    python experiments/ffjord_mnist.py --data-dir DIR --quick   # a smoke run
+    python -m experiments.ffjord_mnist --data-dir DIR   # DIR holds the IDX files
+    python -m experiments.ffjord_mnist --data-dir DIR --quick   # a smoke run
 
 Results: experiments/results/ffjord_mnist.{json,md,png}.
 """
@@ -41,23 +41,30 @@ Results: experiments/results/ffjord_mnist.{json,md,png}.
 import argparse
 import math
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import diffrax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
-from _common import RESULTS, markdown_table, mean_and_stderr, progress, write_results
-from ffjord_digits import save_image_grid
 
 import cnftrace
-from cnftrace._cli_data import digits_from_logit
-from cnftrace._train import log_prob_and_stats
-from cnftrace.datasets import bits_per_dim, dequantize, load_mnist_idx, logit_transform
+from cnftrace.datasets import (
+    bits_per_dim,
+    dequantize,
+    digits_from_logit,
+    load_mnist_idx,
+    logit_transform,
+)
+from experiments._common import (
+    RESULTS,
+    markdown_table,
+    mean_and_stderr,
+    progress,
+    write_results,
+)
+from experiments.ffjord_digits import save_image_grid
 
 LEVELS = 256
 ALPHA = 1e-6
@@ -75,20 +82,6 @@ def ffjord_optimizer(lr: float, warmup: int):
     """Adam with FFJORD's linear warmup from 0 to `lr` over `warmup` steps."""
     schedule = optax.linear_schedule(0.0, lr, max(warmup, 1))
     return optax.adam(schedule)
-
-
-def test_log_prob(flow, x, *, probes: int, key, chunk: int):
-    """Per-sample log-densities: exact trace with `probes=0`, else Hutchinson with
-    that many Rademacher probes per sample."""
-    estimator = cnftrace.Exact() if probes == 0 else cnftrace.Hutchinson(probes)
-    model = flow.with_estimator(estimator)
-    out, nfe = [], []
-    for i, start in enumerate(range(0, x.shape[0], chunk)):
-        k = None if probes == 0 else jr.fold_in(key, i)
-        lp, stats = log_prob_and_stats(model, x[start : start + chunk], k)
-        out.append(np.asarray(lp))
-        nfe.append(float(stats.total_nfe))
-    return np.concatenate(out), float(np.mean(nfe))
 
 
 def main(argv=None):
@@ -149,9 +142,16 @@ def main(argv=None):
     )
     print(
         f"MNIST {shape}: {train_images.shape[0]} training images, multiscale CNF "
-        f"with {flow.n_scales} scales, {len(flow.blocks())} blocks, {steps} steps",
+        f"with {flow.n_scales} scales, {len(flow.blocks)} blocks, {steps} steps",
         flush=True,
     )
+
+    checkpoints = None
+    if args.checkpoint_dir is not None:
+        config = {"script": "ffjord_mnist", "hidden": list(hidden), "tol": args.tol}
+        checkpoints = cnftrace.Checkpoints(
+            args.checkpoint_dir, every=steps_per_epoch, config=config
+        )
 
     def log(record):
         print(
@@ -167,12 +167,10 @@ def main(argv=None):
         key=train_key,
         steps=steps,
         batch_size=args.batch_size,
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson()),
         optimizer=ffjord_optimizer(args.lr, args.warmup),
-        estimator=cnftrace.Hutchinson(),
+        checkpoints=checkpoints,
         log_every=1 if steps < 100 else 50,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=steps_per_epoch,
-        config={"script": "ffjord_mnist", "hidden": list(hidden), "tol": args.tol},
         progress=progress(),
         on_log=log,
     )
@@ -186,12 +184,15 @@ def main(argv=None):
 
     probes = 0 if args.exact_test else args.test_probes
     start = time.perf_counter()
-    logp, eval_nfe = test_log_prob(
+    # Exact trace with `probes=0`, else Hutchinson with that many Rademacher probes
+    # per sample (chunk `i` draws them from `fold_in(test_key, i)`).
+    logp, eval_nfe = cnftrace.log_prob_batched(
         trained,
         jnp.asarray(test_y, dtype),
-        probes=probes,
-        key=test_key,
-        chunk=args.test_batch_size,
+        batch_size=args.test_batch_size,
+        estimator=cnftrace.Exact() if probes == 0 else cnftrace.Hutchinson(probes),
+        key=None if probes == 0 else test_key,
+        return_nfe=True,
     )
     eval_seconds = time.perf_counter() - start
     per_sample = [

@@ -2,9 +2,9 @@
 table 4): POWER, GAS, HEPMASS, MINIBOONE and BSDS300 with the paper's settings, and
 scikit-learn's bundled tabular sets run through the same pipeline.
 
-    python experiments/ffjord_tabular.py --data miniboone --data-dir DATA
-    python experiments/ffjord_tabular.py --data all-sklearn
-    python experiments/ffjord_tabular.py --data power --data-dir DATA --quick
+    python -m experiments.ffjord_tabular --data miniboone --data-dir DATA
+    python -m experiments.ffjord_tabular --data all-sklearn
+    python -m experiments.ffjord_tabular --data power --data-dir DATA --quick
 
 `DATA` is the unpacked `data/` folder of MAF's archive (Zenodo record 1161203,
 `data.tar.gz`), holding `power/`, `gas/`, `hepmass/`, `miniboone/` and `BSDS300/`;
@@ -72,7 +72,6 @@ import sys
 import tempfile
 import time
 
-import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -81,19 +80,15 @@ import numpy as np
 import optax
 from scipy.stats import multivariate_normal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
-import cnftrace  # noqa: E402
-from cnftrace._checkpoint import _atomic_write  # noqa: E402
-from cnftrace._cli_data import gaussian_baseline_nll  # noqa: E402
-from cnftrace.datasets import (  # noqa: E402
+import cnftrace
+from cnftrace.datasets import (
     TABULAR_DATASETS,
     UCI_DATASETS,
+    gaussian_baseline_nll,
     load_tabular,
     load_uci,
 )
+from experiments import _common
 
 PUBLISHED = {  # FFJORD, table 2: test NLL in nats
     "power": -0.46,
@@ -128,7 +123,6 @@ SETTINGS = {
     },
 }
 QUICK = Setting("tanh", 1, 1, 1, 64, 2, True)
-ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus}
 DATASETS = UCI_DATASETS + TABULAR_DATASETS
 
 
@@ -144,33 +138,25 @@ def load(name: str, data_dir, dtype) -> cnftrace.datasets.Splits:
 
 
 def build_flow(d: int, setting: Setting, args, key):
-    keys = jr.split(key, setting.blocks)
-    fields = [
-        cnftrace.ConcatSquashMLP(
+    # A chain even of one block (whose key is then split too), as FFJORD's.
+    flows = [
+        cnftrace.mlp_flow(
             d,
+            key=k,
             width=setting.factor * d,
             depth=setting.depth,
-            activation=ACTIVATIONS[setting.activation],
-            key=k,
+            activation=setting.activation,
+            t1=1.0,
+            learn_t1=True,
+            solver="dopri5",
+            rtol=args.rtol,
+            atol=args.atol,
+            max_steps=args.solver_max_steps,
             dtype=args.dtype,
         )
-        for k in keys
+        for k in jr.split(key, setting.blocks)
     ]
-    flow = cnftrace.Chain(
-        [
-            cnftrace.CNF(
-                f,
-                d,
-                t1=1.0,
-                learn_t1=True,
-                solver=diffrax.Dopri5(),
-                rtol=args.rtol,
-                atol=args.atol,
-                max_steps=args.solver_max_steps,
-            )
-            for f in fields
-        ]
-    )
+    flow = cnftrace.Chain(flows)
     # Every parameter strongly typed as `dtype`: the learnt end time starts as a
     # weakly typed scalar, which the first Adam update makes strong, so that `fit`'s
     # step would be compiled twice.
@@ -246,18 +232,19 @@ def train(flow, splits, setting: Setting, args, key, root: str):
         common = dict(
             key=jr.fold_in(key, s),
             batch_size=batch,
+            objective=cnftrace.MaximumLikelihood(estimator),
             optimizer=optax.adam(lr),
-            estimator=estimator,
+            validation=cnftrace.Validation(
+                val_x,
+                every=setting.validate_every,
+                patience=patience,
+                estimator=val_estimator,
+            ),
+            checkpoints=cnftrace.Checkpoints(
+                directory, every=setting.validate_every, keep=2, config=config
+            ),
             progress=_common.progress(),
             log_every=log_every,
-            checkpoint_dir=directory,
-            checkpoint_every=setting.validate_every,
-            keep=2,
-            config=config,
-            validation=val_x,
-            validate_every=setting.validate_every,
-            patience=patience,
-            validation_estimator=val_estimator,
         )
         finished = None
         if os.path.exists(marker):  # a finished stage: reload, train nothing
@@ -277,7 +264,7 @@ def train(flow, splits, setting: Setting, args, key, root: str):
         final = _final_step(hist)
         if stopped is None and finished is None:
             stopped = "early stopping" if final < steps else "step budget"
-            _atomic_write(
+            _common.atomic_write(
                 marker, json.dumps({"final_step": final, "stopped": stopped}).encode()
             )
         elif finished is not None:
@@ -310,7 +297,9 @@ def evaluate(flow, splits, chunk: int) -> dict:
     """Exact-trace test NLL with its standard error, the Gaussian baseline, and
     their paired difference per test sample."""
     start = time.perf_counter()
-    logp, nfe = _common.exact_log_prob(flow, splits.test, chunk=chunk)
+    logp, nfe = cnftrace.log_prob_batched(
+        flow, splits.test, batch_size=chunk, return_nfe=True
+    )
     seconds = time.perf_counter() - start
     if not np.all(np.isfinite(logp)):
         raise FloatingPointError("the trained flow gave a non-finite test log-density")
@@ -433,8 +422,8 @@ def time_steps(name, flow, splits, setting, args, key) -> dict:
         key=key,
         steps=args.time_steps + 1,
         batch_size=batch,
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(sampler=args.probe)),
         optimizer=optax.adam(args.lr),
-        estimator=cnftrace.Hutchinson(sampler=args.probe),
         progress=_common.progress(),
         on_log=lambda _: clocks.append((time.perf_counter(), time.process_time())),
     )

@@ -15,9 +15,9 @@ forms where they exist, accurate numerical values otherwise, see
 of the exact evaluation and of sampling, and the training time. It writes a figure
 grid like FFJORD's figure 2 (rows: data sets; columns: data, learned density, samples).
 
-    python experiments/ffjord_toy.py                    # all eight, about 60 minutes
-    python experiments/ffjord_toy.py --data checkerboard --steps 10000
-    python experiments/ffjord_toy.py --quick            # smoke run, seconds
+    python -m experiments.ffjord_toy                    # all eight, about 60 minutes
+    python -m experiments.ffjord_toy --data checkerboard --steps 10000
+    python -m experiments.ffjord_toy --quick            # smoke run, seconds
 
 Results: experiments/results/ffjord_toy.{json,md,png}, and the trained models in
 ffjord_toy_models/<data>.eqx. Each data set's numbers are kept in ffjord_toy.json as it
@@ -27,44 +27,29 @@ Target (issue 7): within 0.05 nats of the entropy on 8gaussians and checkerboard
 """
 
 import argparse
-import io
 import json
 import os
-import sys
 import time
 
-import diffrax
-import equinox as eqx
 import jax.random as jr
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
-import cnftrace  # noqa: E402
-from cnftrace._checkpoint import _atomic_write  # noqa: E402
-from cnftrace.datasets import (  # noqa: E402
+import cnftrace
+from cnftrace.datasets import (
     TOY_DATASETS,
     toy_entropy,
     toy_entropy_is_exact,
     toy_sample,
 )
-from cnftrace.plot import _atomic_savefig, density_grid  # noqa: E402
+from cnftrace.plot import density_grid
+from experiments import _common
 
 TARGETS = {"8gaussians": 0.05, "checkerboard": 0.05}
 
 
 def make_flow(key, width=64, depth=3):
-    field = cnftrace.ConcatSquashMLP(2, width=width, depth=depth, key=key)
-    return cnftrace.CNF(
-        field,
-        2,
-        t1=0.5,
-        learn_t1=True,
-        solver=diffrax.Dopri5(),
-        rtol=1e-5,
-        atol=1e-5,
+    return cnftrace.mlp_flow(
+        2, key=key, width=width, depth=depth, learn_t1=True, solver="dopri5"
     )
 
 
@@ -72,14 +57,8 @@ def model_path(out, data):
     return os.path.join(out, "ffjord_toy_models", f"{data}.eqx")
 
 
-def save_model(path, flow):
-    buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(buffer, flow)
-    _atomic_write(path, buffer.getvalue())
-
-
 def load_model(path, width, depth):
-    return eqx.tree_deserialise_leaves(path, make_flow(jr.key(0), width, depth))
+    return cnftrace.load(path, like=make_flow(jr.key(0), width, depth))
 
 
 def picture(flow, data, args):
@@ -102,14 +81,14 @@ def run(data, args, width, depth):
         key=train_key,
         steps=args.steps,
         batch_size=args.batch_size,
-        optimizer=_common.warmup_cosine_adam(args.steps, args.lr),
-        estimator=cnftrace.Exact(),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Exact()),
+        optimizer=cnftrace.warmup_cosine_adam(args.steps, args.lr),
         progress=_common.progress(),
     )
     seconds = time.perf_counter() - start
-    save_model(model_path(args.out, data), trained)
+    cnftrace.save(model_path(args.out, data), trained)
     test = toy_sample(data, test_key, args.test_size)
-    logp, eval_nfe = _common.exact_log_prob(trained, test)
+    logp, eval_nfe = cnftrace.log_prob_batched(trained, test, return_nfe=True)
     nll, stderr = _common.mean_and_stderr(-logp)
     _, stats = trained.sample(sample_key, args.test_size, return_stats=True)
     tail = max(1, args.steps // 10)
@@ -198,7 +177,7 @@ def figure(rows, path, lim=4.0):
     for ax, title in zip(axes[0], ("data", "density (exact)", "samples")):
         ax.set_title(title)
     fig.tight_layout()
-    _atomic_savefig(fig, path)
+    _common.atomic_savefig(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -13,10 +13,10 @@ steps of 512 fresh samples, Tsit5 at rtol = atol = 1e-5. Each other variant chan
 one thing (see `VARIANTS`); a few combine the winners. Evaluation always uses the
 exact trace at rtol = atol = 1e-5, whatever the training tolerance.
 
-    python experiments/quality.py                       # every variant not yet done
-    python experiments/quality.py --only mlp,concatsquash
-    python experiments/quality.py --density mixture12 --steps 1000
-    python experiments/quality.py --table               # rewrite the table only
+    python -m experiments.quality                       # every variant not yet done
+    python -m experiments.quality --only mlp,concatsquash
+    python -m experiments.quality --density mixture12 --steps 1000
+    python -m experiments.quality --table               # rewrite the table only
 
 Results accumulate in experiments/results/quality_<density>_<steps>x<batch>.json (one
 entry per variant, written as each finishes, so an interrupted sweep resumes) and the
@@ -142,10 +142,7 @@ def build_flow(cfg: dict, dim: int, key) -> cnftrace.AbstractFlow:
 def build_optimizer(cfg: dict, steps: int) -> optax.GradientTransformation:
     if cfg["schedule"] == "constant":
         return optax.adam(cfg["lr"])
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg["lr"], min(50, steps // 4), steps, end_value=cfg["lr"] / 20
-    )
-    return optax.chain(optax.clip_by_global_norm(10.0), optax.adam(schedule))
+    return cnftrace.warmup_cosine_adam(steps, cfg["lr"])
 
 
 def build_estimator(cfg: dict) -> cnftrace.AbstractEstimator:
@@ -156,26 +153,16 @@ def build_estimator(cfg: dict) -> cnftrace.AbstractEstimator:
 
 def with_tolerance(flow, tol: float):
     """The same flow with every block's rtol = atol = `tol` (for evaluation)."""
-    blocks = flow.blocks if isinstance(flow, cnftrace.Chain) else (flow,)
-    blocks = [eqx.tree_at(lambda b: (b.rtol, b.atol), b, (tol, tol)) for b in blocks]
+    blocks = [
+        eqx.tree_at(lambda b: (b.rtol, b.atol), b, (tol, tol)) for b in flow.blocks
+    ]
     return blocks[0] if len(blocks) == 1 else cnftrace.Chain(blocks)
-
-
-@eqx.filter_jit
-def _log_prob(flow, x):
-    return flow.log_prob(x)
 
 
 def gap_on(flow, density, test: jax.Array, chunk: int = 2000) -> tuple[float, float]:
     """`mean(flow NLL - true NLL)` over `test` with the exact trace at 1e-5, and its
     paired standard error."""
-    flow = with_tolerance(flow.with_estimator(cnftrace.Exact()), 1e-5)
-    logq = np.concatenate(
-        [
-            np.asarray(_log_prob(flow, test[i : i + chunk]))
-            for i in range(0, test.shape[0], chunk)
-        ]
-    )
+    logq = cnftrace.log_prob_batched(with_tolerance(flow, 1e-5), test, batch_size=chunk)
     logp = np.asarray(density.log_prob(test))
     diff = (logp - logq).astype(np.float64)
     if not np.all(np.isfinite(diff)):
@@ -194,14 +181,13 @@ def run_variant(cfg: dict, density, steps: int, seed: int, test) -> dict:
         key=train_key,
         steps=steps,
         batch_size=cfg["batch"],
+        objective=cnftrace.MaximumLikelihood(build_estimator(cfg)),
         optimizer=build_optimizer(cfg, steps),
-        estimator=build_estimator(cfg),
         progress=False,
         log_every=max(1, steps // 20),
     )
     train_s = time.perf_counter() - start
     gap, se = gap_on(flow, density, test)
-    blocks = flow.blocks if isinstance(flow, cnftrace.Chain) else (flow,)
     return {
         "config": cfg,
         "steps": steps,
@@ -211,7 +197,7 @@ def run_variant(cfg: dict, density, steps: int, seed: int, test) -> dict:
         "train_s": train_s,
         "nfe_last": history["nfe"][-1],
         "loss_last": history["loss"][-1],
-        "t1": [float(b.t1) for b in blocks],
+        "t1": [float(b.t1) for b in flow.blocks],
     }
 
 

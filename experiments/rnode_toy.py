@@ -9,7 +9,7 @@ training step at the end of training, the NFE of the exact-trace evaluation and 
 sampling, and the exact test NLL, with the paired difference to the unregularised run
 on the same test samples.
 
-    python experiments/rnode_toy.py [--data 8gaussians] [--steps 2400] [--quick]
+    python -m experiments.rnode_toy [--data 8gaussians] [--steps 2400] [--quick]
 
 Results: experiments/results/rnode_<data>_<steps>.json and .md (written atomically).
 """
@@ -17,29 +17,19 @@ Results: experiments/results/rnode_<data>_<steps>.json and .md (written atomical
 import argparse
 import math
 import os
-import sys
 import time
 
-import diffrax
 import jax.random as jr
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
-import cnftrace  # noqa: E402
-from cnftrace.datasets import toy_entropy, toy_sample  # noqa: E402
-
-
-def make_flow(key, width=64, depth=3):
-    field = cnftrace.ConcatSquashMLP(2, width=width, depth=depth, key=key)
-    return cnftrace.CNF(field, 2, t1=0.5, solver=diffrax.Tsit5(), rtol=1e-5, atol=1e-5)
+import cnftrace
+from cnftrace.datasets import toy_entropy, toy_sample
+from experiments import _common
 
 
 def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth):
     model_key, train_key = jr.split(jr.key(seed))
-    flow = make_flow(model_key, width, depth)
+    flow = cnftrace.mlp_flow(2, key=model_key, width=width, depth=depth)
     start = time.perf_counter()
     trained, hist = cnftrace.fit(
         flow,
@@ -47,14 +37,12 @@ def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth
         key=train_key,
         steps=steps,
         batch_size=batch_size,
-        optimizer=_common.warmup_cosine_adam(steps, lr),
-        estimator=cnftrace.Hutchinson(),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(), kinetic, jacobian),
+        optimizer=cnftrace.warmup_cosine_adam(steps, lr),
         progress=_common.progress(),
-        kinetic_weight=kinetic,
-        jacobian_weight=jacobian,
     )
     seconds = time.perf_counter() - start
-    logp, eval_nfe = _common.exact_log_prob(trained, test)
+    logp, eval_nfe = cnftrace.log_prob_batched(trained, test, return_nfe=True)
     _, stats = trained.sample(jr.key(seed + 7), 2000, return_stats=True)
     tail = max(1, steps // 10)
     return {

@@ -8,7 +8,7 @@ samples drawn with `cnftrace.datasets.toy_sample`, with its standard error. As c
 each density's total mass is integrated on a grid, and each entropy is compared with a
 Kozachenko-Leonenko k-nearest-neighbour estimate on the same samples.
 
-Run: `python experiments/toy_entropies.py [--n 2000000]` (about 10 minutes on two
+Run: `python -m experiments.toy_entropies [--n 2000000]` (about 10 minutes on two
 CPU cores; most of it in pinwheel and 2spirals). Quadrature sizes were chosen so that
 doubling them changes log p by < 1e-6 at every test point.
 """

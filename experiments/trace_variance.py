@@ -26,7 +26,7 @@ errors), and each operator's leading singular values are listed. Writes
 `trace_variance.json` and `trace_variance.md` to `--out` (`experiments/results` by
 default) and prints the tables.
 
-Run: `.venv/bin/python experiments/trace_variance.py` (80 to 100 s on two CPU cores,
+Run: `.venv/bin/python -m experiments.trace_variance` (80 to 100 s on two CPU cores,
 25 s of it training), or with `--quick` for a smoke run (no training, three small
 operators, about ten seconds, most of it compiling).
 """
@@ -34,7 +34,6 @@ operators, about ten seconds, most of it compiling).
 import argparse
 import math
 import os
-import sys
 import time
 
 import jax
@@ -47,12 +46,9 @@ import jax.random as jr  # noqa: E402
 import lineax as lx  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
 import cnftrace  # noqa: E402
 from cnftrace.datasets import dequantize, load_digits, logit_transform  # noqa: E402
+from experiments import _common  # noqa: E402
 
 ESTIMATORS = (
     ("Hutchinson", lambda b: cnftrace.Hutchinson(b, "rademacher")),

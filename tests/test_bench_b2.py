@@ -2,16 +2,10 @@
 zuko peer's B2 returns, with a curve that moves forward in time."""
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "bench")
-)
-import b2  # noqa: E402
-import common  # noqa: E402
+from experiments.bench import b2, common
 
 # The keys of `zuko_peer.zuko_b2`'s result (not imported: torch is optional).
 ZUKO_KEYS = {

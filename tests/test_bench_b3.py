@@ -2,15 +2,10 @@
 and the relations that hold whatever the machine's noise."""
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "bench")
-)
-import b3  # noqa: E402
+from experiments.bench import b3
 
 
 def test_divergence_cost_rows():

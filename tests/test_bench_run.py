@@ -3,14 +3,10 @@ writes a report with the targets table, B1's rows and the compute floor, atomica
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "bench")
-)
-import run  # noqa: E402
+from experiments.bench import run
 
 
 @pytest.mark.slow  # compiles B1's training step twice

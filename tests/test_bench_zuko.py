@@ -3,20 +3,12 @@
 Skipped where the `bench` extra (torch, zuko) is not installed.
 """
 
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("zuko")
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "bench")
-)
-
-import common  # noqa: E402
-import zuko_peer  # noqa: E402
+from experiments.bench import common, zuko_peer  # noqa: E402
 
 
 def _positive_count(value) -> bool:

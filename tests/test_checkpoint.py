@@ -164,8 +164,7 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path):
             batch_size=8,
             progress=False,
             max_failures=3,
-            checkpoint_dir=str(tmp_path),
-            checkpoint_every=1,
+            checkpoints=cnftrace.Checkpoints(str(tmp_path), every=1),
         )
     # Every step so far was skipped, so the model never changed; no NaN was written.
     for _, path in list_checkpoints(str(tmp_path)):
@@ -183,7 +182,7 @@ def test_resume_with_another_key_is_refused(tmp_path):
     field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
     flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
     data = lambda k, n: jr.normal(k, (n, 2))  # noqa: E731
-    kwargs = dict(steps=2, batch_size=8, progress=False, checkpoint_dir=str(tmp_path))
+    kwargs = dict(steps=2, batch_size=8, progress=False, checkpoints=str(tmp_path))
     cnftrace.fit(flow, data, key=jr.key(1), **kwargs)
     with pytest.raises(cnftrace.CheckpointError, match="another `key`"):
         cnftrace.fit(flow, data, key=jr.key(2), **kwargs)

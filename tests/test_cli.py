@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import cnftrace
 from cnftrace._cli import main
 from cnftrace.datasets import load_tabular
 
@@ -39,6 +40,11 @@ def test_train_eval_sample_plot(tmp_path, capsys):
         result = json.load(f)
     assert result["step"] == 12 and result["n"] == 500
     assert result["gap"] == pytest.approx(result["test_nll"] - result["entropy"])
+
+    # The run opens in Python in one line, as the command line itself opens it.
+    flow, info = cnftrace.load(run, return_info=True)
+    assert info["step"] == 12 and info["config"]["width"] == 8
+    assert np.all(np.isfinite(flow.log_prob(np.zeros((3, 2)))))
 
     assert main(["sample", run, "--n", "7"]) == 0
     samples = np.load(os.path.join(run, "samples.npy"))

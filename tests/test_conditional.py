@@ -139,9 +139,7 @@ def test_conditional_8gaussians_samples_land_on_their_mode():
         batch_size=256,
         optimizer=optax.adam(5e-3),
         progress=False,
-        validation=x_val,
-        validation_context=c_val,
-        validate_every=200,
+        validation=cnftrace.Validation(x_val, c_val, every=200),
     )
     # Validation ran with the contexts, and the best parameters were kept.
     assert len(hist["val_nll"]) == 2 and np.all(np.isfinite(hist["val_nll"]))
@@ -163,9 +161,9 @@ def test_array_data_batches_keep_each_sample_with_its_context():
     # Array data with contexts: a batch's rows and context rows must stay paired.
     x = jnp.arange(64.0).reshape(32, 2)
     c = jnp.stack([x[:, 0], -x[:, 1], x[:, 0] + x[:, 1]], -1)
-    sampler = cnftrace._train._batch_sampler(x, "data", (2,), c, 3)
+    sampler = cnftrace.Trainer(x, key=jr.key(0), context=c).sample
     for seed in range(3):
-        batch, ctx = jax.jit(sampler, static_argnums=1)(jr.key(seed), 8)
+        batch, ctx = jax.jit(lambda key: sampler(key, 8))(jr.key(seed))
         assert batch.shape == (8, 2) and ctx.shape == (8, 3)
         np.testing.assert_array_equal(ctx[:, 0], batch[:, 0])
         np.testing.assert_array_equal(ctx[:, 1], -batch[:, 1])

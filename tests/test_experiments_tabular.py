@@ -119,8 +119,10 @@ class FakeFit:
 
     def __call__(self, flow, data, *, steps, on_log=None, **kw):
         lr = kw["optimizer"]  # `optax.adam` is patched to return its learning rate
-        self.calls.append({"flow": flow, "lr": lr, "steps": steps, **kw})
-        directory = kw["checkpoint_dir"]
+        patience = kw["validation"].patience
+        call = {"flow": flow, "lr": lr, "steps": steps, "patience": patience}
+        self.calls.append(call | kw)
+        directory = kw["checkpoints"].directory
         if directory not in self.stored:
             self.stored[directory] = self.curves.pop(0)
         vals = [v for i, v in enumerate(self.stored[directory]) if 10 * i < steps]

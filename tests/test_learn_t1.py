@@ -86,7 +86,7 @@ def test_fit_trains_the_end_time():
         steps=150,
         batch_size=256,
         optimizer=optax.adam(0.05),
-        estimator=cnftrace.Exact(),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Exact()),
         progress=False,
     )
     # exp(+T) maps data to the base here (dz/dt = -z shrinks it): T* = log s.

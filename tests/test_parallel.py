@@ -49,10 +49,14 @@ def _data():
     return np.asarray(x, np.float32)
 
 
-def _fit(**kwargs):
+def _fit(checkpoint_dir=None, keep=3, **kwargs):
     """Three steps with a checkpoint after each and an exact-trace validation at the
     end (whose parameters are the ones returned)."""
-    settings = dict(steps=STEPS, batch_size=BATCH, progress=False, checkpoint_every=1)
+    settings = dict(steps=STEPS, batch_size=BATCH, progress=False)
+    if checkpoint_dir is not None:
+        settings["checkpoints"] = cnftrace.Checkpoints(
+            checkpoint_dir, every=1, keep=keep
+        )
     validation = np.asarray(_data()[:16] + 0.1)
     return cnftrace.fit(
         _flow(), _data(), key=jr.key(KEY), validation=validation, **settings | kwargs
@@ -76,7 +80,7 @@ def _load(path):
     flow = _flow()
     params = eqx.filter(flow, eqx.is_inexact_array)
     like = (params, optax.adam(1e-3).init(params), key_to_data(jr.key(KEY)), params)
-    config = checkpoint_config(flow, BATCH, cnftrace.Hutchinson(), None)
+    config = checkpoint_config(flow, BATCH, cnftrace.MaximumLikelihood(), None)
     return load_checkpoint(path, like, config)
 
 

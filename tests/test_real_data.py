@@ -84,7 +84,7 @@ def test_toy_log_prob_true_densities():
 def test_gaussian_baseline_matches_scipy():
     from scipy.stats import multivariate_normal
 
-    from cnftrace._cli_data import gaussian_baseline_nll
+    from cnftrace.datasets import gaussian_baseline_nll
 
     rng = np.random.default_rng(3)
     train = rng.normal(size=(500, 3)) @ np.array(

@@ -124,8 +124,9 @@ def test_fit_with_regularisation_records_and_lowers_the_integrals():
             batch_size=64,
             optimizer=optax.adam(1e-2),
             progress=False,
-            kinetic_weight=weight,
-            jacobian_weight=weight,
+            objective=cnftrace.MaximumLikelihood(
+                kinetic_weight=weight, jacobian_weight=weight
+            ),
         )
         runs[weight] = hist
         _, reg, _ = trained.log_prob_and_regularization(data)
@@ -157,7 +158,10 @@ def test_fit_refuses_bad_weights(kwargs, match):
     field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
     flow = cnftrace.CNF(field, 2)
     with pytest.raises((ValueError, TypeError), match=match):
-        cnftrace.fit(flow, jnp.ones((8, 2)), key=jr.key(0), steps=1, **kwargs)
+        objective = cnftrace.MaximumLikelihood(**kwargs)
+        cnftrace.fit(
+            flow, jnp.ones((8, 2)), key=jr.key(0), steps=1, objective=objective
+        )
 
 
 def test_estimator_without_frobenius_support_says_so():

@@ -72,9 +72,7 @@ def test_validation_returns_the_best_model_and_stops_early():
         batch_size=32,
         optimizer=optax.adam(3e-2),
         progress=False,
-        validation=val,
-        validate_every=2,
-        patience=2,
+        validation=cnftrace.Validation(val, every=2, patience=2),
     )
     nll = hist["val_nll"]
     assert hist["val_step"] == [2, 4, 6]  # stopped after 2 validations without gain
@@ -122,7 +120,7 @@ def test_fit_refuses_bad_data_before_training(tmp_path):
         ckpt = os.path.join(tmp_path, "ckpt")
         with pytest.raises(error, match=match):
             cnftrace.fit(
-                flow, key=jr.key(0), steps=2, progress=False, checkpoint_dir=ckpt,
+                flow, key=jr.key(0), steps=2, progress=False, checkpoints=ckpt,
                 **kwargs,
             )  # fmt: skip
         assert not os.path.exists(ckpt)  # nothing was written
@@ -150,6 +148,83 @@ def test_history_counts_backward_evaluations():
         backsolve, x, key=jr.key(4), steps=2, batch_size=16, progress=False
     )
     assert hist["nfe_backward"] == [-1, -1] and min(hist["nfe"]) > 0
+
+
+def test_backward_evaluations_are_counted_through_nested_chains():
+    x = np.asarray(jr.normal(jr.key(2), (300, 2)))
+    keys = jr.split(jr.key(3), 3)
+    inner = cnftrace.Chain([_flow(keys[0]), _flow(keys[1])])
+    nested = cnftrace.Chain([inner, _flow(keys[2])])
+    assert len(nested.blocks) == 3 and nested.blocks[1] is inner.flows[1]
+    _, hist = cnftrace.fit(
+        nested, x, key=jr.key(4), steps=2, batch_size=16, progress=False
+    )
+    assert hist["nfe_backward"] == [n - 3 for n in hist["nfe"]]
+
+
+def test_trainer_step_is_public_and_state_is_replaced():
+    data = lambda k, n: 0.5 * jr.normal(k, (n, 2)) + 1.0  # noqa: E731
+    flow = _flow(jr.key(8))
+    trainer = cnftrace.Trainer(data, key=jr.key(1), optimizer=optax.adam(1e-2))
+    state = trainer.init(flow)
+    losses = []
+    for _ in range(3):
+        new, info = trainer.step(state)
+        assert int(new.step) == int(state.step) + 1  # the old state is untouched
+        state = new
+        losses.append(float(info["loss"]))
+    trainer.check(state)
+    # The same run through `fit` (which donates the state to the step).
+    _, hist = cnftrace.fit(
+        flow, data, key=jr.key(1), steps=3, batch_size=512,
+        optimizer=optax.adam(1e-2), progress=False,
+    )  # fmt: skip
+    assert hist["loss"] == losses
+
+
+def test_solver_failure_freezes_the_state_and_names_the_step():
+    field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
+    # Loose enough for the first steps; a large learning rate then stiffens it.
+    flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-9, atol=1e-9, max_steps=3)
+    trainer = cnftrace.Trainer(lambda k, n: jr.normal(k, (n, 2)), key=jr.key(1))
+    state = trainer.init(flow)
+    for _ in range(2):
+        state, _ = trainer.step(state)
+    assert int(state.failed_step) == 1 and int(state.step) == 2
+    assert bool(state.result == diffrax.RESULTS.max_steps_reached)
+    # Nothing was updated after the failure.
+    params = lambda f: jax.tree.leaves(eqx.filter(f, eqx.is_inexact_array))  # noqa: E731
+    for a, b in zip(params(state.flow), params(flow)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(cnftrace.TrainingError, match="at training step 1 "):
+        trainer.check(state)
+    # Outside training, the same solve raises diffrax's message.
+    with pytest.raises(Exception, match="maximum number of solver steps"):
+        flow.log_prob(jnp.ones((4, 2)))
+    out = flow.transform(jnp.ones((4, 2)), inverse=False, log_det=True, key=None)
+    stats = out[2]
+    assert bool(stats.max_steps_reached[0]) and bool(stats.failed[0])
+
+
+def test_log_prob_batched_matches_log_prob():
+    flow = _flow(jr.key(5))
+    x = jr.normal(jr.key(6), (25, 2))
+    logp, nfe = cnftrace.log_prob_batched(flow, x, batch_size=10, return_nfe=True)
+    # Chunks of another size take other adaptive steps: equal to the tolerance.
+    np.testing.assert_allclose(logp, flow.log_prob(x), rtol=1e-6)
+    assert logp.shape == (25,) and nfe > 0
+
+
+def test_save_and_load_a_flow(tmp_path):
+    flow = _flow(jr.key(7))
+    path = cnftrace.save(str(tmp_path / "flow.eqx"), flow)
+    loaded = cnftrace.load(path, like=_flow(jr.key(8)))
+    x = jr.normal(jr.key(9), (5, 2))
+    np.testing.assert_array_equal(loaded.log_prob(x), flow.log_prob(x))
+    with pytest.raises(ValueError, match="like="):
+        cnftrace.load(path)
+    with pytest.raises(cnftrace.CheckpointError, match="another architecture"):
+        cnftrace.load(path, like=cnftrace.mlp_flow(2, key=jr.key(0), width=4))
 
 
 def test_evaluate_nll_matches_log_prob_and_closed_form():

@@ -22,6 +22,14 @@ from ._real import (
     load_tabular as load_tabular,
     logit_transform as logit_transform,
 )
+from ._sources import (
+    ALL_DATASETS as ALL_DATASETS,
+    LOGIT_ALPHA as LOGIT_ALPHA,
+    DataSource as DataSource,
+    data_source as data_source,
+    digits_from_logit as digits_from_logit,
+    gaussian_baseline_nll as gaussian_baseline_nll,
+)
 from ._toy import (
     TOY_DATASETS as TOY_DATASETS,
     toy_entropy as toy_entropy,
@@ -36,8 +44,11 @@ from ._uci import (
 )
 
 __all__ = [
+    "ALL_DATASETS",
     "DIGIT_LEVELS",
+    "LOGIT_ALPHA",
     "MARGINALS",
+    "DataSource",
     "KnownDensity",
     "TABULAR_DATASETS",
     "TOY_DATASETS",
@@ -45,7 +56,10 @@ __all__ = [
     "UCI_DIMS",
     "Splits",
     "bits_per_dim",
+    "data_source",
     "dequantize",
+    "digits_from_logit",
+    "gaussian_baseline_nll",
     "gaussian_mixture",
     "load_digits",
     "load_mnist_idx",

@@ -17,9 +17,9 @@ import math
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float
 
+from .._checks import is_int
 from .._custom_types import Key
 
 TOY_DATASETS: tuple[str, ...] = (
@@ -183,7 +183,7 @@ def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
         ```
     """
     _check_name(name)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+    if not is_int(n) or n <= 0:
         raise ValueError(f"n must be a positive integer; got {n!r}.")
     dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):

@@ -13,8 +13,6 @@ optimiser overhead at all.
 
 import time
 
-import common
-import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -23,23 +21,24 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import toy_sample
-
-SOLVERS = {"tsit5": diffrax.Tsit5, "dopri5": diffrax.Dopri5}
+from experiments.bench import common
 
 
 def make_flow(estimator: str, solver: str = "tsit5", seed: int = 0) -> cnftrace.CNF:
     """B1's model: one block, ConcatSquash 2-64-64-64-2 (tanh), T = 0.5, float32."""
-    field = cnftrace.ConcatSquashMLP(
-        2, common.B1_WIDTH, common.B1_DEPTH, key=jr.key(seed), dtype=jnp.float32
-    )
-    return cnftrace.CNF(
-        field,
+    if solver not in ("tsit5", "dopri5"):
+        raise ValueError(f"solver must be 'tsit5' or 'dopri5'; got {solver!r}.")
+    return cnftrace.mlp_flow(
         2,
+        key=jr.key(seed),
+        width=common.B1_WIDTH,
+        depth=common.B1_DEPTH,
         t1=common.B1_T1,
-        solver=SOLVERS[solver](),
+        solver=solver,
         rtol=common.B1_TOL,
         atol=common.B1_TOL,
         estimator=make_estimator(estimator),
+        dtype=jnp.float32,
     )
 
 
@@ -77,8 +76,8 @@ def cnftrace_b1(
         key=jr.key(seed + 1),
         steps=iters,
         batch_size=batch,
+        objective=cnftrace.MaximumLikelihood(make_estimator(estimator)),
         optimizer=optax.adam(common.B1_LR),
-        estimator=make_estimator(estimator),
         progress=False,
         on_log=lambda record: stamps.append(time.perf_counter()),
     )

@@ -14,10 +14,10 @@ only every `check_every` steps (blocking on the loss), so an evaluation or the b
 end can come up to `check_every - 1` steps late; the recorded time is the true
 training time at that point.
 
-The loop is a few lines over the public API rather than `cnftrace.fit`, which stops
-after a number of steps, not seconds. It does what `fit` does in a step: batch and
+The loop is a few lines over `cnftrace.Trainer`'s step rather than `cnftrace.fit`,
+which stops after a number of steps, not seconds: the step `fit` runs (batch and
 probe keys split from `jax.random.fold_in(key, step)`, the mean NLL under Hutchinson,
-its gradient, an optax update (without `fit`'s skipping of non-finite steps).
+its gradient, an optax update), with a host sync only every `check_every` steps.
 
 Settings, one configuration for both data sets (the defaults of `cnftrace_b2`):
 
@@ -42,17 +42,13 @@ Settings, one configuration for both data sets (the defaults of `cnftrace_b2`):
 import time
 from collections.abc import Callable
 
-import b1
-import common
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
 
 import cnftrace
 from cnftrace.datasets import toy_log_prob, toy_sample
+from experiments.bench import b1, common
 
 DTYPE = jnp.float32
 HORIZON_STEPS_PER_S = 25.0
@@ -63,54 +59,6 @@ NOTES = (
     "T = 0.5, float32. Trained with one Rademacher Hutchinson probe per sample; test "
     "NLL with the exact trace. Compilation counts as training time."
 )
-
-
-def make_optimizer(
-    peak_lr: float, warmup_steps: int, decay_steps: int, end_factor: float, clip: float
-) -> optax.GradientTransformation:
-    """Adam on a warmup-cosine schedule, after clipping by the global norm."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        peak_lr,
-        warmup_steps=warmup_steps,
-        decay_steps=decay_steps,
-        end_value=peak_lr * end_factor,
-    )
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adam(schedule))
-
-
-def _make_step(
-    dataset: str,
-    batch: int,
-    optimizer: optax.GradientTransformation,
-    objective: str = "mle",
-):
-    """One jitted training step `(flow, opt_state, key, i) -> (flow, opt_state, loss,
-    nfe)`: draws the batch and probes (or flow matching's partners and times) from
-    `fold_in(key, i)`."""
-
-    def loss_fn(flow, x, probe_key):
-        if objective != "mle":
-            loss = cnftrace.flow_matching_loss(
-                flow, x, key=probe_key, objective=objective
-            )
-            return loss, jnp.asarray(1)  # one evaluation of the field, no solve
-        logp, stats = flow.log_prob(x, key=probe_key, return_stats=True)
-        return -jnp.mean(logp), stats.total_nfe
-
-    @eqx.filter_jit
-    def step(flow, opt_state, key, i):
-        data_key, probe_key = jr.split(jr.fold_in(key, i))
-        x = toy_sample(dataset, data_key, batch, dtype=DTYPE)
-        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
-        (loss, nfe), grads = grad_fn(flow, x, probe_key)
-        params = eqx.filter(flow, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        # optax's schedule is float64 under x64; keep the parameters in float32.
-        updates = jax.tree.map(lambda u, w: u.astype(w.dtype), updates, params)
-        return eqx.apply_updates(flow, updates), opt_state, loss, nfe
-
-    return step
 
 
 def cnftrace_b2(
@@ -173,11 +121,17 @@ def cnftrace_b2(
     }
     if objective == "mle":
         settings["estimator"] = "hutchinson, 1 rademacher probe"
-    optimizer = make_optimizer(peak_lr, warmup_steps, decay_steps, end_factor, clip)
-    flow = b1.make_flow("hutchinson", seed=seed)
-    opt_state = optimizer.init(eqx.filter(flow, eqx.is_inexact_array))
-    step = _make_step(dataset, batch, optimizer, objective)
-    key = jr.key(seed + 1)
+    optimizer = cnftrace.warmup_cosine_adam(
+        decay_steps, peak_lr, warmup=warmup_steps, end_factor=end_factor, clip=clip
+    )
+    trainer = cnftrace.Trainer(
+        lambda key, n: toy_sample(dataset, key, n, dtype=DTYPE),
+        key=jr.key(seed + 1),
+        objective=objective,
+        optimizer=optimizer,
+        batch_size=batch,
+    )
+    state = trainer.init(b1.make_flow("hutchinson", seed=seed))
 
     x_test = toy_sample(dataset, jr.key(common.B2_TEST_SEED), test_size, dtype=DTYPE)
     true_lp = np.asarray(toy_log_prob(dataset, x_test))
@@ -188,10 +142,12 @@ def cnftrace_b2(
     while train_s < budget_s:
         t0 = time.perf_counter()
         for _ in range(check_every):
-            flow, opt_state, loss, nfe = step(flow, opt_state, key, jnp.asarray(steps))
+            state, info = trainer.step(state)
             steps += 1
-        loss.block_until_ready()
+        info["loss"].block_until_ready()
         train_s += time.perf_counter() - t0
+        trainer.check(state)
+        flow = state.flow
         if tracker.due(train_s, budget_s):
             nll = cnftrace.evaluate_nll(flow, x_test)  # exact trace
             done = tracker.record(train_s, nll.mean)
@@ -202,13 +158,14 @@ def cnftrace_b2(
                         "step": steps,
                         "test_nll": nll.mean,
                         "stderr": nll.stderr,
-                        "loss": float(loss),
-                        "nfe": int(nfe),
+                        "loss": float(info["loss"]),
+                        "nfe": int(info["nfe"]),
                     }
                 )
             if done:
                 break
 
+    flow = state.flow
     if nll is None:  # a budget shorter than one check: evaluate once at the end
         nll = cnftrace.evaluate_nll(flow, x_test)
     _, sample_stats = flow.sample(jr.key(seed + 2), test_size, return_stats=True)

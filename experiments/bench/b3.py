@@ -16,7 +16,7 @@ report can render them (`markdown` does):
 
 Everything runs in float32, set explicitly (the test suite turns on x64).
 
-    python experiments/bench/b3.py [--quick] [--rss] [--pretrain-steps N]
+    python -m experiments.bench.b3 [--quick] [--rss] [--pretrain-steps N]
 """
 
 import argparse
@@ -28,8 +28,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-import b1
-import common
 import diffrax
 import equinox as eqx
 import jax
@@ -39,6 +37,7 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import toy_sample
+from experiments.bench import b1, common
 
 DTYPE = jnp.float32
 WIDTH = common.B1_WIDTH
@@ -51,7 +50,8 @@ ADJOINTS = {
     "backsolve": diffrax.BacksolveAdjoint,
 }
 MIB = 2.0**20
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The repository root, from which `rss_peak`'s child imports this module.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------------- helpers
@@ -186,26 +186,16 @@ def divergence_growth(rows: list[dict]) -> dict:
 # ------------------------------------------------- 2. step time against batch
 
 
-def _training_step(static, optimizer, dataset: str, batch: int):
-    """B1's step for `batch` samples: draw a batch, value and gradient of the mean
-    NLL (with the forward NFE), Adam update."""
-
-    def loss_fn(params, x, key):
-        model = eqx.combine(params, static)
-        logp, stats = model.log_prob(x, key=key, return_stats=True)
-        return -jnp.mean(logp), stats.total_nfe
-
-    @jax.jit
-    def step(params, opt_state, key):
-        data_key, probe_key = jr.split(key)
-        x = toy_sample(dataset, data_key, batch, dtype=DTYPE)
-        (loss, nfe), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, x, probe_key
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(params, updates), opt_state, loss, nfe
-
-    return step
+def _trainer(optimizer, dataset: str, batch: int, key) -> cnftrace.Trainer:
+    """B1's step for `batch` samples (`cnftrace.Trainer`): draw a batch, value and
+    gradient of the mean NLL (with the forward NFE), Adam update. Step `i` of a state
+    draws from `fold_in(key, i)`."""
+    return cnftrace.Trainer(
+        lambda k, n: toy_sample(dataset, k, n, dtype=DTYPE),
+        key=key,
+        optimizer=optimizer,
+        batch_size=batch,
+    )
 
 
 def step_time_vs_batch(
@@ -231,29 +221,31 @@ def step_time_vs_batch(
     call's wall time (tracing and compilation included).
     """
     flow = b1.make_flow(estimator, seed=seed)
-    params, static = eqx.partition(flow, eqx.is_inexact_array)
     optimizer = optax.adam(LR)
-    opt_state = optimizer.init(params)
+    state = _trainer(optimizer, dataset, 512, jr.key(seed + 2)).init(flow)
     if pretrain_steps:
-        train = _training_step(static, optimizer, dataset, 512)
-        train_key = jr.key(seed + 2)
-        for i in range(pretrain_steps):
-            params, opt_state, _, _ = train(params, opt_state, jr.fold_in(train_key, i))
+        train = _trainer(optimizer, dataset, 512, jr.key(seed + 2))
+        for _ in range(pretrain_steps):
+            state, _ = train.step(state)
     rows = []
     for batch in batches:
-        step = _training_step(static, optimizer, dataset, batch)
-        base = jr.fold_in(jr.key(seed + 1), batch)
+        trainer = _trainer(
+            optimizer, dataset, batch, jr.fold_in(jr.key(seed + 1), batch)
+        )
+        # Step `i` of the state draws from `fold_in(key, i)`: the timed calls start
+        # from the same parameters with the step number, so the batch, changed.
+        at = lambda i: eqx.tree_at(lambda s: s.step, state, jnp.asarray(i))  # noqa: E731
         start = time.perf_counter()
-        jax.block_until_ready(step(params, opt_state, base))
+        jax.block_until_ready(trainer.step(at(0)))
         first_s = time.perf_counter() - start
         walls, cpus, nfes = [], [], []
         for i in range(iters):
-            key = jr.fold_in(base, i + 1)
+            timed = at(i + 1)
             wall, cpu = time.perf_counter(), time.process_time()
-            out = jax.block_until_ready(step(params, opt_state, key))
+            _, info = jax.block_until_ready(trainer.step(timed))
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
-            nfes.append(int(out[3]))
+            nfes.append(int(info["nfe"]))
         seconds = statistics.median(walls)
         nfe = statistics.fmean(nfes)
         rows.append(
@@ -416,11 +408,15 @@ def rss_peak(adjoint: str, num_steps: int, batch: int = 512) -> dict:
     one compiled gradient step in a fresh process and reports the growth of its peak
     resident set (`VmHWM`, reset after compiling via `/proc/self/clear_refs`)."""
     code = (
-        f"import sys; sys.path.insert(0, {_HERE!r}); import b3; "
+        "from experiments.bench import b3; "
         f"print(b3._rss_child({adjoint!r}, {num_steps}, {batch}))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=_ROOT,
     )
     return {
         "adjoint": adjoint,

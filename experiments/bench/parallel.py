@@ -14,8 +14,8 @@ logged, so every step ends with a host sync, as a training loop that prints its 
 does. Each device count runs `--rounds` times, interleaved with the others, and the
 fastest round is kept: on a shared machine the other jobs only ever slow a run down.
 
-    python experiments/bench/parallel.py                 # CPU: 1, 2, 4 forced devices
-    python experiments/bench/parallel.py --backend gpu   # the GPUs of this machine
+    python -m experiments.bench.parallel                 # CPU: 1, 2, 4 forced devices
+    python -m experiments.bench.parallel --backend gpu   # the GPUs of this machine
 
 Writes `experiments/results/parallel_<backend>.{json,md}`.
 """
@@ -27,17 +27,15 @@ import statistics
 import subprocess
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-sys.path.insert(0, os.path.dirname(_HERE))
+import jax
+import jax.random as jr
 
-import _common  # noqa: E402
-import b1  # noqa: E402
-import common  # noqa: E402
-import jax  # noqa: E402
-import jax.random as jr  # noqa: E402
+import cnftrace
+from experiments import _common
+from experiments.bench import b1, common
 
-import cnftrace  # noqa: E402
+# The repository root, from which the children run this module.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child(devices: int | None, steps: int, warmup: int, batch_size: int) -> dict:
@@ -81,10 +79,11 @@ def run_one(
             env.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={devices or 1}"
         ).strip()
-    args = [sys.executable, os.path.abspath(__file__), "--child", str(devices or 0)]
+    args = [sys.executable, "-m", "experiments.bench.parallel"]
+    args += ["--child", str(devices or 0)]
     args += ["--steps", str(steps), "--warmup", str(warmup)]
     args += ["--batch-size", str(batch_size)]
-    out = subprocess.run(args, env=env, capture_output=True, text=True)
+    out = subprocess.run(args, env=env, capture_output=True, text=True, cwd=_ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"the run on {devices} device(s) failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])

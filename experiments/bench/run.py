@@ -2,8 +2,8 @@
 beside zuko in the same invocation, written to a markdown report.
 
     pip install -e ".[bench]"                 # torch 2.13.0 (CPU) and zuko
-    python experiments/bench/run.py           # everything, about 45 minutes on 2 cores
-    python experiments/bench/run.py --quick   # tiny settings, a minute or two
+    python -m experiments.bench.run           # everything, about 45 minutes on 2 cores
+    python -m experiments.bench.run --quick   # tiny settings, a minute or two
 
 Writes `docs/benchmarks.md` (or `--out`) atomically: the machine and versions, every
 figure beside its target, and the raw numbers as JSON next to it. Without torch and
@@ -17,20 +17,16 @@ import os
 import platform
 import sys
 
+import jax
+
+import cnftrace
+from experiments._common import atomic_write
+from experiments.bench import b1, b2, b3, common
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
-
-import b1  # noqa: E402
-import b2  # noqa: E402
-import b3  # noqa: E402
-import common  # noqa: E402
-import jax  # noqa: E402
-
-import cnftrace  # noqa: E402
-from cnftrace._checkpoint import _atomic_write  # noqa: E402
 
 try:
-    import zuko_peer
+    from experiments.bench import zuko_peer
 except ImportError as e:  # the bench extra is not installed
     zuko_peer = None
     ZUKO_MISSING = f"zuko peer not run ({e}); `pip install -e '.[bench]'`"
@@ -328,7 +324,7 @@ def main(argv=None) -> int:
     parts = [
         "# Benchmarks",
         "",
-        f"Written by `python experiments/bench/run.py{' --quick' if args.quick else ''}"
+        f"Written by `python -m experiments.bench.run{' --quick' if args.quick else ''}"
         f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}` on "
         f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `shared/BENCHMARK.md` and "
         "`experiments/bench/common.py`; zuko's differences from the protocol: "
@@ -387,7 +383,7 @@ def main(argv=None) -> int:
     if b3_res:
         parts += ["", "## B3: cost as the work grows", "", b3.markdown(b3_res)]
     report = "\n".join(parts) + "\n"
-    _atomic_write(out, report.encode())
+    atomic_write(out, report.encode())
     raw = {
         "b1": b1_res,
         "b2": b2_res,
@@ -395,7 +391,7 @@ def main(argv=None) -> int:
         "b3": b3_res,
         "machine": machine(),
     }
-    _atomic_write(
+    atomic_write(
         os.path.splitext(out)[0] + ".json",
         json.dumps(raw, indent=1, default=str).encode(),
     )

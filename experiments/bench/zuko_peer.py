@@ -46,13 +46,13 @@ evaluation's step count slightly (not its tolerance).
 
 import time
 
-import common
 import jax
 import numpy as np
 import torch
 import zuko
 
 from cnftrace.datasets import toy_log_prob, toy_sample
+from experiments.bench import common
 
 SOLVER = (
     "zuko odeint: adaptive Dormand-Prince 5(4), 7 evals per attempted step, max-norm "

@@ -42,10 +42,9 @@ def main():
             batch_size=64,
             optimizer=optax.adam(1e-2),
             progress=False,
-            checkpoint_dir=run_dir,
-            checkpoint_every=5,
-            keep=2,
-            config={"lr": 1e-2, "model": "tiny"},
+            checkpoints=cnftrace.Checkpoints(
+                run_dir, every=5, keep=2, config={"lr": 1e-2, "model": "tiny"}
+            ),
             on_log=on_log,
         )
     print(json.dumps(history["loss"]))

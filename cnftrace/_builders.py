@@ -1,0 +1,144 @@
+"""Ready-made pieces that the command line, the experiments and the benchmarks share:
+FFJORD's MLP flow and the warmup-cosine Adam schedule."""
+
+from collections.abc import Callable
+
+import diffrax
+import jax
+import jax.random as jr
+import optax
+
+from ._checks import check_int
+from ._custom_types import Key
+from ._estimators import AbstractEstimator
+from ._flow import CNF, AbstractFlow, Chain
+from ._nets import ConcatSquashMLP
+
+SOLVERS = {
+    "tsit5": diffrax.Tsit5,
+    "dopri5": diffrax.Dopri5,
+    "dopri8": diffrax.Dopri8,
+    "bosh3": diffrax.Bosh3,
+}
+ACTIVATIONS = {"tanh": jax.nn.tanh, "softplus": jax.nn.softplus, "elu": jax.nn.elu}
+
+
+def _lookup(table: dict, name: str, value):
+    if not isinstance(value, str):
+        return value
+    if value not in table:
+        raise ValueError(f"`{name}` must be one of {sorted(table)}; got {value!r}.")
+    return table[value]
+
+
+def mlp_flow(
+    dim: int,
+    *,
+    key: Key,
+    blocks: int = 1,
+    width: int = 64,
+    depth: int = 3,
+    activation: str | Callable = "tanh",
+    t1: float = 0.5,
+    learn_t1: bool = False,
+    solver: str | diffrax.AbstractSolver = "tsit5",
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+    estimator: AbstractEstimator | None = None,
+    max_steps: int = 4096,
+    dtype=None,
+) -> AbstractFlow:
+    """FFJORD's toy and tabular model: `blocks` CNF blocks, each a
+    [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP] vector field with `depth` hidden
+    layers of `width` units. The defaults are FFJORD's toy configuration (one block,
+    2-64-64-64-2 with tanh, T = 0.5) with Tsit5 at rtol = atol = 1e-5.
+
+    **Arguments:**
+
+    - `dim`: the size of one sample.
+    - `key`: the PRNG key of the initialisation: the field's own for one block,
+        split with `jax.random.split(key, blocks)` for several.
+    - `blocks`, `width`, `depth`: the architecture.
+    - `activation`: `"tanh"`, `"softplus"`, `"elu"` or any function.
+    - `t1`, `learn_t1`: each block's end time, and whether it is trained.
+    - `solver`: `"tsit5"`, `"dopri5"`, `"dopri8"`, `"bosh3"` or a diffrax solver.
+    - `rtol`, `atol`, `estimator`, `max_steps`: as for [`CNF`][cnftrace.CNF].
+    - `dtype`: the parameters' dtype (JAX's default float if omitted).
+
+    **Returns:**
+
+    A [`CNF`][cnftrace.CNF] for one block, else a [`Chain`][cnftrace.Chain].
+
+    !!! example
+
+        ```python
+        flow = cnftrace.mlp_flow(2, key=jr.key(0), width=16, depth=2)
+        chain = cnftrace.mlp_flow(6, key=jr.key(0), blocks=3, solver="dopri5")
+        print(len(chain.blocks))  # 3
+        ```
+    """
+    check_int("blocks", blocks)
+    act = _lookup(ACTIVATIONS, "activation", activation)
+    solver_type = _lookup(SOLVERS, "solver", solver)
+    keys = [key] if blocks == 1 else list(jr.split(key, blocks))
+    flows = [
+        CNF(
+            ConcatSquashMLP(dim, width, depth, act, key=k, dtype=dtype),
+            dim,
+            t1=t1,
+            learn_t1=learn_t1,
+            solver=solver_type() if isinstance(solver, str) else solver_type,
+            rtol=rtol,
+            atol=atol,
+            estimator=estimator,
+            max_steps=max_steps,
+        )
+        for k in keys
+    ]
+    return flows[0] if blocks == 1 else Chain(flows)
+
+
+def warmup_cosine_adam(
+    steps: int,
+    lr: float,
+    *,
+    warmup: int | None = None,
+    end_factor: float | None = None,
+    clip: float | None = 10.0,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformation:
+    """Adam (AdamW with `weight_decay`) on a schedule: a linear warmup from 0 to
+    `lr`, then a cosine decay to `end_factor * lr` (`lr / 20` by default) at step
+    `steps`, held there after;
+    the gradient's global norm clipped at `clip` first (`None`: no clipping). The
+    schedule of the command line, the demo and the experiments.
+
+    **Arguments:**
+
+    - `steps`: the schedule's horizon, usually the number of training steps.
+    - `lr`: the peak learning rate.
+    - `warmup`: warmup steps; `min(50, max(1, steps // 4))` by default.
+    - `end_factor`, `clip`, `weight_decay`: as above.
+
+    !!! example
+
+        ```python
+        optimizer = cnftrace.warmup_cosine_adam(2400, 2e-3)
+        # cnftrace.fit(flow, data, key=key, steps=2400, optimizer=optimizer)
+        ```
+    """
+    check_int("steps", steps)
+    warmup = min(50, max(1, steps // 4)) if warmup is None else warmup
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        lr,
+        warmup_steps=warmup,
+        decay_steps=max(steps, 2),
+        end_value=lr / 20 if end_factor is None else lr * end_factor,
+    )
+    adam = (
+        optax.adamw(schedule, weight_decay=weight_decay)
+        if weight_decay
+        else optax.adam(schedule)
+    )
+    return adam if clip is None else optax.chain(optax.clip_by_global_norm(clip), adam)

@@ -1,0 +1,136 @@
+"""Argument checks shared across the package, each with one message.
+
+Settings that fix array shapes (numbers of probes, steps, blocks) must be Python
+integers: a JAX array there would become a tracer under `jit`. `bool` is a subclass of
+`int` to Python, but `n=True` is surely a mistake, so it is refused too.
+"""
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+
+def is_int(value) -> bool:
+    """Whether `value` is a Python (or NumPy) integer and not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """Whether `value` is a Python (or NumPy) real number and not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, bool
+    )
+
+
+def check_int(name: str, value, low: int = 1) -> None:
+    """A `ValueError` naming `name` unless `value` is an int `>= low`."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+
+
+def check_weight(name: str, value) -> None:
+    """A `TypeError` unless `value` is a number, a `ValueError` unless it is finite
+    and `>= 0`."""
+    if not is_number(value):
+        raise TypeError(f"`{name}` must be a number; got {value!r}.")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be finite and >= 0; got {value!r}.")
+
+
+def check_context(
+    context,
+    context_dim: int | None,
+    n: int,
+    *,
+    name: str = "context",
+    unbatched: bool = False,
+    broadcast: bool = True,
+    host: bool = False,
+) -> Array | None:
+    """`context` as an array of shape `(n, context_dim)` (or `None` for a flow that
+    is not conditional), or a clear error.
+
+    - `broadcast`: a single row of shape `(context_dim,)` stands for every sample.
+    - `unbatched`: the call is for one sample, so only that single row is accepted.
+    - `host`: `context` is data on the host (training or test contexts); a NaN or
+        inf raises a `ValueError` at once. Otherwise the check is an `eqx.error_if`,
+        which also works under `jit`.
+    """
+    if context_dim is None:
+        if context is not None:
+            raise ValueError(
+                f"this flow is not conditional, so it takes no `{name}`; build its "
+                "blocks with `context_dim=...` (and a vector field that takes the "
+                "context as its `args`) to condition on one."
+            )
+        return None
+    if context is None:
+        rows = f"(n, {context_dim}) with one row per sample"
+        want = f"({context_dim},) for all samples, or {rows}" if broadcast else rows
+        raise ValueError(
+            f"this flow is conditional (context_dim={context_dim}) and needs "
+            f"`{name}`: an array of shape {want}."
+        )
+    context = np.asarray(context) if host else jnp.asarray(context)
+    if not jnp.issubdtype(context.dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` has dtype {context.dtype}; a context must be floating point "
+            "(one-hot encode labels, e.g. `jax.nn.one_hot(labels, num_classes)`)."
+        )
+    if broadcast and context.shape == (context_dim,):
+        context = jnp.broadcast_to(context, (n, context_dim))
+    elif unbatched or context.shape != (n, context_dim):
+        want = f"({n}, {context_dim})"
+        if broadcast:
+            want = f"({context_dim},)" + ("" if unbatched else f" or {want}")
+        raise ValueError(
+            f"`{name}` has shape {context.shape}; this call needs shape {want}, one "
+            "row per sample."
+        )
+    if host:
+        if not np.isfinite(context).all():
+            raise ValueError(f"`{name}` contains NaN or inf; pass finite contexts.")
+        return jnp.asarray(context)
+    return eqx.error_if(
+        context,
+        jnp.any(~jnp.isfinite(context)),
+        f"`{name}` contains NaN or inf; pass finite contexts.",
+    )
+
+
+def check_event_shape(shape, name: str, event_shape: tuple[int, ...]) -> None:
+    """A clear error unless samples of shape `shape` are those the flow models."""
+    if tuple(shape) != tuple(event_shape):
+        raise ValueError(
+            f"`{name}` holds samples of shape {tuple(shape)}, but the flow models "
+            f"samples of shape {tuple(event_shape)}."
+        )
+
+
+def check_samples(data, name: str, event_shape: tuple[int, ...] | None) -> Array:
+    """`data` as an array of finite floating samples of shape `(n, *event_shape)`
+    (any event shape if `None`), or a clear error. Checked on the host."""
+    data = np.asarray(data)
+    if data.ndim < 2 or data.shape[0] < 1:
+        raise ValueError(
+            f"`{name}` must be an array of samples of shape (n, *event) or a function "
+            f"`(key, batch_size) -> batch`; got an array of shape {data.shape}."
+        )
+    if event_shape is not None:
+        check_event_shape(data.shape[1:], name, event_shape)
+    if not np.issubdtype(data.dtype, np.floating):
+        raise TypeError(
+            f"`{name}` has dtype {data.dtype}; convert it to floating point first "
+            "(dequantise integer data)."
+        )
+    bad = ~np.isfinite(data.reshape(data.shape[0], -1)).all(axis=1)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        raise ValueError(
+            f"`{name}` has {rows.size} sample(s) with NaN or inf (first at index "
+            f"{rows[0]}); remove or impute them before training."
+        )
+    return jnp.asarray(data)

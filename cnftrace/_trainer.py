@@ -1,0 +1,398 @@
+"""One training step, jitted, over a state that each step replaces.
+
+Failures travel in the state (diffrax-style): a step whose loss or gradient is not
+finite is skipped and counted, a step whose ODE solve failed freezes the state and
+records the step and diffrax's result. Nothing raises inside the compiled step;
+`Trainer.check` raises on the host, wherever the caller syncs.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from ._checks import check_context, check_event_shape, check_int, check_samples
+from ._custom_types import Key
+from ._flow import AbstractFlow
+from ._matching import SHORTHANDS
+from ._objectives import AbstractObjective, MaximumLikelihood
+from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
+
+DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
+OBJECTIVES = ("mle", "fm", "ot-fm")
+
+
+# The defaults of `fit` and `Trainer`, in one place.
+DEFAULT_BATCH_SIZE = 512
+
+
+def default_optimizer(steps: int | None) -> optax.GradientTransformation:
+    """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
+    length where known (`fit` passes it), for a schedule."""
+    del steps
+    return optax.adam(1e-3)
+
+
+class TrainingError(RuntimeError):
+    """Raised by [`fit`][cnftrace.fit] (and [`Trainer.check`][cnftrace.Trainer.check])
+    when training cannot go on: too many consecutive non-finite steps, or an ODE solve
+    that failed (its step limit, say). The message names the step and says what to
+    change; the last checkpoint is left intact.
+
+    !!! example
+
+        ```python
+        try:
+            raise cnftrace.TrainingError("the ODE solver reached its step limit")
+        except cnftrace.TrainingError as e:
+            print(f"training stopped: {e}")
+        ```
+    """
+
+
+def resolve_objective(objective) -> AbstractObjective:
+    """`fit`'s `objective`: an objective, or one of the strings that stand for one."""
+    if isinstance(objective, AbstractObjective):
+        return objective
+    if isinstance(objective, str) and objective == "mle":
+        return MaximumLikelihood()
+    if isinstance(objective, str) and objective in SHORTHANDS:
+        return SHORTHANDS[objective]
+    raise ValueError(
+        f"`objective` must be one of {', '.join(map(repr, OBJECTIVES))} or an "
+        "objective such as `cnftrace.MaximumLikelihood(...)` or "
+        f"`cnftrace.FlowMatching(...)`; got {objective!r}."
+    )
+
+
+class TrainState(eqx.Module):
+    """The state of a training run between two steps of a
+    [`Trainer`][cnftrace.Trainer]. Each step returns a new one; none is changed in
+    place.
+
+    **Fields:**
+
+    - `step`: the number of steps taken.
+    - `flow`: the flow with its current parameters.
+    - `opt_state`: the optimiser's state.
+    - `failures`: consecutive steps skipped for a non-finite loss or gradient.
+    - `skipped`: all steps skipped so far.
+    - `failed_step`: the step (1-based) whose ODE solve failed, or 0. From then on
+        every step leaves the state as it is.
+    - `result`: that solve's `diffrax.RESULTS` (`successful` if none failed).
+    """
+
+    step: Int[Array, ""]
+    flow: AbstractFlow
+    opt_state: PyTree
+    failures: Int[Array, ""]
+    skipped: Int[Array, ""]
+    failed_step: Int[Array, ""]
+    result: diffrax.RESULTS
+
+
+def _all_finite(tree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _discrete_adjoints(flow: AbstractFlow) -> bool:
+    """Whether every block differentiates its solve by backpropagating through the
+    solver's steps, so that its backward evaluations can be counted."""
+    return all(not isinstance(b.adjoint, diffrax.BacksolveAdjoint) for b in flow.blocks)
+
+
+def solver_settings(flow: AbstractFlow) -> str:
+    """The blocks' tolerances and step limits, for error messages."""
+    parts = {
+        f"rtol={b.rtol}, atol={b.atol}, max_steps={b.max_steps}" for b in flow.blocks
+    }
+    return "; ".join(sorted(parts))
+
+
+def _as_pair(out) -> tuple[Array, Array | None]:
+    """A generator's output as `(batch, context or None)`."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+class _ArraySampler(eqx.Module):
+    """Batches drawn with replacement from the samples (and their contexts)."""
+
+    data: Array
+    context: Array | None
+
+    def __call__(self, key, batch_size):
+        idx = jr.randint(key, (batch_size,), 0, self.data.shape[0])
+        return self.data[idx], None if self.context is None else self.context[idx]
+
+
+class _GeneratorSampler(eqx.Module):
+    """Fresh batches from `data(key, batch_size)`, checked as they come (an array is
+    checked once, up front): a bad one stops the step before any update."""
+
+    data: Callable
+
+    def __call__(self, key, batch_size):
+        batch, ctx = _as_pair(self.data(key, batch_size))
+        bad = jnp.any(~jnp.isfinite(batch))
+        if ctx is not None:
+            bad = bad | jnp.any(~jnp.isfinite(ctx))
+        batch = eqx.error_if(
+            batch, bad, "a training batch contains NaN or inf; clean the data."
+        )
+        return batch, ctx
+
+
+class Trainer(eqx.Module):
+    """A training run's settings and its jitted step: batches from `data`, the
+    `objective`'s loss and gradient, an `optimizer` update. [`fit`][cnftrace.fit] is
+    a loop over this step; use it directly for loops of your own (a time budget,
+    say).
+
+    **Arguments:**
+
+    - `data`: an array of training samples `(n, *event)`, from which batches are
+        drawn with replacement, or a function `(key, batch_size) -> batch` (for a
+        conditional flow, `-> (batch, context)`) that generates fresh samples.
+    - `key`: the run's PRNG key. Step `i` draws its batch and its loss's randomness
+        from `jax.random.fold_in(key, i)`, so a run is reproducible and resumable.
+    - `objective`: an objective ([`MaximumLikelihood`][cnftrace.MaximumLikelihood],
+        [`FlowMatching`][cnftrace.FlowMatching], or your own
+        [`AbstractObjective`][cnftrace.AbstractObjective]), or `"mle"`, `"fm"`,
+        `"ot-fm"`.
+    - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
+    - `batch_size`: samples per step.
+    - `context`: with array data for a conditional flow, one context row per sample.
+    - `mesh`: data-parallel training, as for [`fit`][cnftrace.fit].
+
+    A step skips (leaves the parameters and optimiser state as they were, and
+    counts) an update whose loss or gradient is not finite, and freezes the state
+    at a failed ODE solve; [`check`][cnftrace.Trainer.check] raises for either on the
+    host. Updates are cast to each parameter's dtype, so that a float32 flow stays
+    float32 when float64 is enabled (an optax schedule is then float64).
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
+        data = lambda key, n: 0.5 * jr.normal(key, (n, 2)) + 1.0
+        trainer = cnftrace.Trainer(data, key=jr.key(1), batch_size=64)
+        state = trainer.init(flow)
+        for _ in range(5):
+            state, info = trainer.step(state)
+        trainer.check(state)  # raises if a solve failed, say
+        print(int(state.step), float(info["loss"]), int(info["nfe"]))
+        trained = state.flow
+        ```
+    """
+
+    sample: _ArraySampler | _GeneratorSampler
+    objective: AbstractObjective
+    optimizer: optax.GradientTransformation
+    key: Key
+    batch_size: int = eqx.field(static=True)
+    mesh: DataParallel | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        data: DataSource,
+        *,
+        key: Key,
+        objective: str | AbstractObjective = "mle",
+        optimizer: optax.GradientTransformation | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        context: Float[Array, "n context"] | None = None,
+        mesh: MeshSpec = None,
+    ):
+        check_int("batch_size", batch_size)
+        self.objective = resolve_objective(objective)
+        self.optimizer = default_optimizer(None) if optimizer is None else optimizer
+        self.batch_size = batch_size
+        self.mesh = resolve_mesh(mesh)
+        if callable(data):
+            if context is not None:
+                raise ValueError(
+                    "`context` goes with array data; a generator for a conditional "
+                    "flow returns `(batch, context)` pairs itself."
+                )
+            sample = _GeneratorSampler(data)
+        else:
+            context = None if context is None else jnp.asarray(context)
+            sample = _ArraySampler(check_samples(data, "data", None), context)
+        if self.mesh is not None:
+            check_batch_size(batch_size, self.mesh.size)
+            key = jr.wrap_key_data(self.mesh.replicate(jr.key_data(key)))
+            sample = self.mesh.replicate(sample)
+        self.key = key
+        self.sample = sample
+
+    def check_data(self, flow: AbstractFlow) -> None:
+        """Checks the data against `flow` (shapes, dtypes, contexts), drawing one
+        small batch from a generator, so that a mismatch fails here rather than
+        inside the compiled step."""
+        conditional = flow.context_dim is not None
+        if isinstance(self.sample, _GeneratorSampler):
+            what = "data(key, batch_size)"
+            first = self.sample.data(jr.key(0), 2)
+            if conditional and not (isinstance(first, tuple) and len(first) == 2):
+                raise ValueError(
+                    f"the flow is conditional, so `{what}` must return a pair "
+                    "`(batch, context)`."
+                )
+            x, c = first if conditional else (first, None)
+            check_samples(x, what, flow.event_shape)
+            check_context(
+                c,
+                flow.context_dim,
+                2,
+                name=f"the context of {what}",
+                broadcast=False,
+                host=True,
+            )
+            return
+        n = self.sample.data.shape[0]
+        check_event_shape(self.sample.data.shape[1:], "data", flow.event_shape)
+        context = self.sample.context
+        if context is not None:
+            context = np.asarray(context)
+        check_context(context, flow.context_dim, n, broadcast=False, host=True)
+
+    def init(self, flow: AbstractFlow, *, opt_state: PyTree = None) -> TrainState:
+        """The state before the first step: checks `flow` against the data and the
+        objective, and copies its parameters (the step that `fit` runs donates its
+        buffers, so the caller's flow stays usable). `opt_state`: the optimiser's
+        state to start from (a resumed run's); a fresh one by default."""
+        self.check_data(flow)
+        self.objective.check(flow)
+        params, static = eqx.partition(flow, eqx.is_inexact_array)
+        params = jax.tree_util.tree_map(jnp.copy, params)
+        if opt_state is None:
+            opt_state = self.optimizer.init(params)
+        # Distinct buffers: the step that `fit` runs donates each of them.
+        zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+        state = TrainState(
+            step=jnp.asarray(0),
+            flow=eqx.combine(params, static),
+            opt_state=opt_state,
+            failures=zero(),
+            skipped=zero(),
+            failed_step=zero(),
+            result=diffrax.RESULTS.successful,
+        )
+        return self.placed(state)
+
+    def placed(self, state: TrainState) -> TrainState:
+        """`state` with its arrays replicated over the mesh (as is, on one
+        device)."""
+        return state if self.mesh is None else self.mesh.replicate(state)
+
+    def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
+        """One training step, jitted: draws a batch and the loss's randomness from
+        `fold_in(key, state.step)`, takes the objective's value and gradient and
+        updates the parameters.
+
+        **Returns:**
+
+        `(state, info)`: the new state and a dict of scalars: `loss` (the objective's
+        recorded loss), `nfe` and `nfe_backward` (vector-field evaluations of the
+        forward and backward pass; `-1` where not counted, as with
+        `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
+        the objective's other metrics.
+        """
+        return _step(self, state)
+
+    def check(self, state: TrainState, max_failures: int | None = None) -> None:
+        """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
+        solve failed, or if the last `max_failures` steps were all skipped for a
+        non-finite loss or gradient. A sync with the device."""
+        failed_step = int(state.failed_step)
+        if failed_step:
+            flow, result = state.flow, state.result
+            if bool(result == diffrax.RESULTS.max_steps_reached):
+                raise TrainingError(
+                    f"the ODE solver reached its step limit at training step "
+                    f"{failed_step} ({solver_settings(flow)}): the dynamics have "
+                    "become too stiff for the tolerance. Raise `max_steps`, loosen "
+                    "`rtol`/`atol`, lower the learning rate, or regularise the "
+                    "dynamics; the last checkpoint is intact."
+                )
+            raise TrainingError(
+                f"the ODE solve failed at training step {failed_step}: "
+                f"{diffrax.RESULTS[result]} The last checkpoint is intact."
+            )
+        failures = int(state.failures)
+        if max_failures is not None and failures >= max_failures:
+            raise TrainingError(
+                f"{failures} consecutive training steps gave a non-finite loss "
+                f"or gradient (up to step {int(state.step)}); stopping. The model was "
+                "not updated by those steps and the last checkpoint is intact. Lower "
+                "the learning rate, clip gradients, or tighten the solver tolerance."
+            )
+
+
+def _train_step(trainer: Trainer, state: TrainState):
+    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
+    batch, ctx = trainer.sample(data_key, trainer.batch_size)
+    if trainer.mesh is not None:
+        # Every process draws the same global batch; each device keeps its part.
+        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
+    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
+    # The gradient with respect to `counter` counts the backward pass's evaluations
+    # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
+    count = _discrete_adjoints(state.flow)
+    counter = jnp.zeros((), batch.dtype) if count else None
+
+    def loss_fn(params, counter):
+        flow = eqx.combine(params, static)
+        return trainer.objective.loss(flow, batch, ctx, loss_key, counter)
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (loss, metrics), (grads, backward) = grad_fn(params, counter)
+    info = dict(metrics)
+    stats = info.pop("stats", None)
+    result = diffrax.RESULTS.successful
+    if stats is not None:
+        info.setdefault("nfe", stats.total_nfe)
+        result = stats.first_failure()
+    info.setdefault("loss", loss)
+    if "nfe_backward" not in info:
+        info["nfe_backward"] = (
+            jnp.round(backward).astype(int) if count else jnp.asarray(-1)
+        )
+
+    updates, new_opt_state = trainer.optimizer.update(grads, state.opt_state, params)
+    # Keep each parameter's dtype (an optax schedule is float64 under x64).
+    updates = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), updates, params)
+    new_params = eqx.apply_updates(params, updates)
+    solved = result == diffrax.RESULTS.successful
+    frozen = state.failed_step > 0
+    ok = jnp.isfinite(loss) & _all_finite(grads) & solved & ~frozen
+    keep_new = lambda new, old: jnp.where(ok, new, old)
+    params = jax.tree_util.tree_map(keep_new, new_params, params)
+    opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, state.opt_state)
+    if trainer.mesh is not None:
+        params, opt_state = trainer.mesh.keep_replicated((params, opt_state))
+    fails_now = ~solved & ~frozen
+    state = TrainState(
+        step=state.step + 1,
+        flow=eqx.combine(params, static),
+        opt_state=opt_state,
+        failures=jnp.where(ok, 0, state.failures + 1),
+        skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+        failed_step=jnp.where(fails_now, state.step + 1, state.failed_step),
+        result=diffrax.RESULTS.where(fails_now, result, state.result),
+    )
+    return state, dict(info, skipped=~ok)
+
+
+_step = eqx.filter_jit(_train_step)
+# `fit` gives the state's buffers to the step: it never reuses a state.
+_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")

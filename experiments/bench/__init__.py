@@ -1,0 +1,1 @@
+"""The benchmarks of `shared/BENCHMARK.md`: `python -m experiments.bench.run`."""

@@ -1,0 +1,85 @@
+"""The experiments and benchmarks use cnftrace's public API only, and run as modules
+of the `experiments` package (`python -m experiments.<name>`), with no `sys.path`
+edits: if an experiment needs a private name, the public API is missing something."""
+
+import ast
+import glob
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(
+    glob.glob(os.path.join(ROOT, "experiments", "**", "*.py"), recursive=True)
+)
+
+
+def _dotted(node) -> str | None:
+    """`a.b.c` of an attribute chain rooted at a name, else `None`."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def private_cnftrace_names(source: str) -> list[str]:
+    """Every private cnftrace name that `source` imports or reads: a module or name
+    with a leading underscore under `cnftrace` (dunders such as `__version__` are
+    public)."""
+    found = []
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        hidden = [p for p in parts[1:] if p.startswith("_") and not p.endswith("__")]
+        return parts[0] == "cnftrace" and bool(hidden)
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if private(f"{node.module}.{a.name}")
+            ]
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted is not None and private(dotted):
+                found.append(dotted)
+    return sorted(set(found))
+
+
+def test_the_check_finds_private_names():
+    source = (
+        "import cnftrace._train\n"
+        "from cnftrace._checkpoint import _atomic_write\n"
+        "from cnftrace.plot import _atomic_savefig, density_grid\n"
+        "from cnftrace import fit, _flow\n"
+        "x = cnftrace._train.log_prob_and_stats\n"
+        "from cnftrace.datasets import toy_sample\n"
+    )
+    assert private_cnftrace_names(source) == [
+        "cnftrace._checkpoint._atomic_write",
+        "cnftrace._flow",
+        "cnftrace._train",
+        "cnftrace._train.log_prob_and_stats",
+        "cnftrace.plot._atomic_savefig",
+    ]
+
+
+def test_there_are_experiments():
+    names = {os.path.relpath(f, ROOT) for f in FILES}
+    assert {"experiments/demo.py", "experiments/bench/b2.py"} <= names
+    assert "experiments/__init__.py" in names
+    assert "experiments/bench/__init__.py" in names
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_experiment_uses_the_public_api_only(path):
+    with open(path) as f:
+        source = f.read()
+    assert private_cnftrace_names(source) == []
+    assert "sys.path" not in source, "run it as `python -m experiments.<name>`"
