@@ -39,11 +39,47 @@ import numpy as np
 import optax
 
 import cnftrace
-from cnftrace.datasets import gaussian_mixture, rotated_product
+from cnftrace.datasets import KnownDensity, gaussian_mixture, rotated_product
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+class Affine(KnownDensity):
+    """`scale * x + shift` for `x` from `base`: unstandardised data, as a user who
+    does not standardise their columns would pass it."""
+
+    name: str = eqx.field(static=True)
+    dim: int = eqx.field(static=True)
+    base: KnownDensity
+    scale: jax.Array
+    shift: jax.Array
+
+    def sample(self, key, n, dtype=None):
+        x = self.base.sample(key, n, dtype)
+        return x * self.scale.astype(x.dtype) + self.shift.astype(x.dtype)
+
+    def log_prob(self, x):
+        x = jnp.asarray(x)
+        inner = (x - self.shift.astype(x.dtype)) / self.scale.astype(x.dtype)
+        return self.base.log_prob(inner) - jnp.sum(jnp.log(self.scale)).astype(x.dtype)
+
+
+def _raw(base: KnownDensity) -> KnownDensity:
+    rng = np.random.default_rng(7)
+    scale = np.exp(rng.uniform(np.log(0.3), np.log(4.0), base.dim))
+    shift = rng.uniform(-3, 3, base.dim)
+    return Affine(
+        f"{base.name}, unstandardised",
+        base.dim,
+        base,
+        jnp.asarray(scale),
+        jnp.asarray(shift),
+    )
+
+
 DENSITIES = {
     "product5": lambda: rotated_product(5, seed=0),
+    "product5-raw": lambda: _raw(rotated_product(5, seed=0)),
     "product8": lambda: rotated_product(8, seed=0),
     "mixture12": lambda: gaussian_mixture(12, components=6, seed=0),
     "product16": lambda: rotated_product(16, seed=0),
@@ -99,6 +135,48 @@ VARIANTS = {
     "blocks2": {"blocks": 2},
     "tol1e-3": {"tol": 1e-3},
     "tol1e-4": {"tol": 1e-4},
+    # Combinations of the single-factor winners.
+    "silu-cos3e-3": {"activation": "silu", "schedule": "cosine", "lr": 3e-3},
+    "silu-cos3e-3-tol1e-3": {
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 3e-3,
+        "tol": 1e-3,
+    },
+    "silu-cos5e-3-tol1e-3": {
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 5e-3,
+        "tol": 1e-3,
+    },
+    "silu-cos3e-3-tol1e-3-exact": {
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 3e-3,
+        "tol": 1e-3,
+        "estimator": "exact",
+    },
+    "silu-cos3e-3-tol1e-3-batch256": {
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 3e-3,
+        "tol": 1e-3,
+        "batch": 256,
+    },
+    "silu-cos3e-3-tol1e-3-T1": {
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 3e-3,
+        "tol": 1e-3,
+        "t1": 1.0,
+    },
+    "concatsquash-silu-cos3e-3-tol1e-3": {
+        "field": "concatsquash",
+        "activation": "silu",
+        "schedule": "cosine",
+        "lr": 3e-3,
+        "tol": 1e-3,
+    },
 }
 
 
