@@ -40,6 +40,15 @@ def check_weight(name: str, value) -> None:
         raise ValueError(f"`{name}` must be finite and >= 0; got {value!r}.")
 
 
+def check_positive(name: str, value) -> None:
+    """A `TypeError` unless `value` is a number, a `ValueError` unless it is finite
+    and `> 0`."""
+    if not is_number(value):
+        raise TypeError(f"`{name}` must be a number; got {value!r}.")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"`{name}` must be finite and > 0; got {value!r}.")
+
+
 def check_context(
     context,
     context_dim: int | None,

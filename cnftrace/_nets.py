@@ -189,8 +189,9 @@ class MLPField(eqx.Module):
     - `dim`: the data dimension.
     - `width`: hidden width.
     - `depth`: number of hidden layers.
-    - `activation`: applied after every hidden layer; anything smooth, since the
-        divergence differentiates it.
+    - `activation`: applied after every hidden layer; SiLU by default (it learned
+        twice as much per step as tanh on the docs' quality page). Anything smooth,
+        since the divergence differentiates it.
     - `freqs`: the number of time frequencies `k = 1..freqs` (0 for none: an
         autonomous field).
     - `context_dim`: for a conditional flow, the size of the context vector, which
@@ -221,7 +222,7 @@ class MLPField(eqx.Module):
         dim: int,
         width: int = 64,
         depth: int = 3,
-        activation: Callable[[Array], Array] = jax.nn.tanh,
+        activation: Callable[[Array], Array] = jax.nn.silu,
         *,
         freqs: int = 3,
         context_dim: int = 0,

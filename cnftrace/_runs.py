@@ -33,7 +33,8 @@ from ._objectives import AbstractObjective, MaximumLikelihood
 MODEL_KEYS = (
     "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
     "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
-    "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma",
+    "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma", "field",
+    "train_tol",
 )  # fmt: skip
 # Values of settings added after a run's config may have been written.
 LATER_KEYS = {
@@ -42,6 +43,10 @@ LATER_KEYS = {
     "learn_t1": False,
     "objective": "mle",
     "fm_sigma": 0.0,
+    # Runs written before MLPField became the default trained FFJORD's ConcatSquash
+    # field at the flow's own tolerance.
+    "field": "concatsquash",
+    "train_tol": None,
 }
 
 
@@ -57,6 +62,7 @@ def run_flow(config: dict, key, dim: int) -> AbstractFlow:
     return mlp_flow(
         dim,
         key=key,
+        field=config["field"],
         blocks=config["blocks"],
         width=config["width"],
         depth=config["depth"],
@@ -83,7 +89,10 @@ def run_objective(config: dict) -> AbstractObjective:
     """`fit`'s `objective` for a run's config."""
     if config["objective"] == "mle":
         return MaximumLikelihood(
-            run_estimator(config), config["kinetic_energy"], config["jacobian_norm"]
+            run_estimator(config),
+            config["kinetic_energy"],
+            config["jacobian_norm"],
+            tolerance=config["train_tol"],
         )
     coupling = "ot" if config["objective"] == "ot-fm" else "independent"
     return FlowMatching(sigma=config["fm_sigma"], coupling=coupling)

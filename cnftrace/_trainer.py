@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from ._builders import warmup_cosine_adam
 from ._checks import check_context, check_event_shape, check_int, check_samples
 from ._custom_types import Key
 from ._flow import AbstractFlow
@@ -33,11 +34,22 @@ OBJECTIVES = ("mle", "fm", "ot-fm")
 DEFAULT_BATCH_SIZE = 512
 
 
+DEFAULT_LR = 3e-3
+
+
 def default_optimizer(steps: int | None) -> optax.GradientTransformation:
     """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
-    length where known (`fit` passes it), for a schedule."""
-    del steps
-    return optax.adam(1e-3)
+    length where known (`fit` passes it), for a schedule.
+
+    For a run of known length, Adam with a short warmup to 3e-3 and a cosine decay to
+    1.5e-4 at the last step, gradients clipped at a global norm of 10
+    ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]): on the docs' quality page
+    it left a quarter of the gap of a constant 1e-3 after the same steps. Without a
+    length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate there.
+    """
+    if steps is None:
+        return optax.adam(1e-3)
+    return warmup_cosine_adam(steps, DEFAULT_LR)
 
 
 class TrainingError(RuntimeError):

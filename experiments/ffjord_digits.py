@@ -180,7 +180,7 @@ def main(argv=None):
         key=train_key,
         steps=args.steps,
         batch_size=args.batch_size,
-        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson()),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(), tolerance=None),
         optimizer=cnftrace.warmup_cosine_adam(args.steps, args.lr),
         validation=cnftrace.Validation(
             validation,

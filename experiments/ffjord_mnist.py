@@ -167,7 +167,7 @@ def main(argv=None):
         key=train_key,
         steps=steps,
         batch_size=args.batch_size,
-        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson()),
+        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(), tolerance=None),
         optimizer=ffjord_optimizer(args.lr, args.warmup),
         checkpoints=checkpoints,
         log_every=1 if steps < 100 else 50,

@@ -143,6 +143,7 @@ def build_flow(d: int, setting: Setting, args, key):
         cnftrace.mlp_flow(
             d,
             key=k,
+            field="concatsquash",
             width=setting.factor * d,
             depth=setting.depth,
             activation=setting.activation,
@@ -232,7 +233,7 @@ def train(flow, splits, setting: Setting, args, key, root: str):
         common = dict(
             key=jr.fold_in(key, s),
             batch_size=batch,
-            objective=cnftrace.MaximumLikelihood(estimator),
+            objective=cnftrace.MaximumLikelihood(estimator, tolerance=None),
             optimizer=optax.adam(lr),
             validation=cnftrace.Validation(
                 val_x,
@@ -422,7 +423,9 @@ def time_steps(name, flow, splits, setting, args, key) -> dict:
         key=key,
         steps=args.time_steps + 1,
         batch_size=batch,
-        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(sampler=args.probe)),
+        objective=cnftrace.MaximumLikelihood(
+            cnftrace.Hutchinson(sampler=args.probe), tolerance=None
+        ),
         optimizer=optax.adam(args.lr),
         progress=_common.progress(),
         on_log=lambda _: clocks.append((time.perf_counter(), time.process_time())),

@@ -49,7 +49,13 @@ TARGETS = {"8gaussians": 0.05, "checkerboard": 0.05}
 
 def make_flow(key, width=64, depth=3):
     return cnftrace.mlp_flow(
-        2, key=key, width=width, depth=depth, learn_t1=True, solver="dopri5"
+        2,
+        key=key,
+        field="concatsquash",
+        width=width,
+        depth=depth,
+        learn_t1=True,
+        solver="dopri5",
     )
 
 

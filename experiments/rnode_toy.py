@@ -29,7 +29,9 @@ from experiments import _common
 
 def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth):
     model_key, train_key = jr.split(jr.key(seed))
-    flow = cnftrace.mlp_flow(2, key=model_key, width=width, depth=depth)
+    flow = cnftrace.mlp_flow(
+        2, key=model_key, field="concatsquash", width=width, depth=depth
+    )
     start = time.perf_counter()
     trained, hist = cnftrace.fit(
         flow,
@@ -37,7 +39,9 @@ def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth
         key=train_key,
         steps=steps,
         batch_size=batch_size,
-        objective=cnftrace.MaximumLikelihood(cnftrace.Hutchinson(), kinetic, jacobian),
+        objective=cnftrace.MaximumLikelihood(
+            cnftrace.Hutchinson(), kinetic, jacobian, tolerance=None
+        ),
         optimizer=cnftrace.warmup_cosine_adam(steps, lr),
         progress=_common.progress(),
     )

@@ -164,6 +164,7 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path):
             batch_size=8,
             progress=False,
             max_failures=3,
+            optimizer=optax.adam(1e-3),
             checkpoints=cnftrace.Checkpoints(str(tmp_path), every=1),
         )
     # Every step so far was skipped, so the model never changed; no NaN was written.
@@ -199,4 +200,6 @@ def test_solver_step_limit_is_reported():
             steps=2,
             batch_size=8,
             progress=False,
+            # The solve at the flow's own tolerance, not fit's looser default.
+            objective=cnftrace.MaximumLikelihood(tolerance=None),
         )

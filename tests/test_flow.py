@@ -127,7 +127,7 @@ def test_nfe_counts_real_evaluations():
                     cnftrace.ConcatSquashMLP(2, width=8, depth=1, key=jr.key(0))
                 )
                 flow = cnftrace.CNF(
-                    field, 2, solver=solver, rtol=1e-7, atol=1e-7, dt0=dt0,
+                    field, 2, t1=1.0, solver=solver, rtol=1e-7, atol=1e-7, dt0=dt0,
                     adjoint=adjoint,
                 )  # fmt: skip
                 counter.clear()

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-import optax
 import pytest
 
 import cnftrace
@@ -79,7 +78,9 @@ def _load(path):
     """A checkpoint of `_fit` loaded in this (one-device) process."""
     flow = _flow()
     params = eqx.filter(flow, eqx.is_inexact_array)
-    like = (params, optax.adam(1e-3).init(params), key_to_data(jr.key(KEY)), params)
+    # fit's default optimiser for a run of STEPS steps.
+    opt_state = cnftrace.warmup_cosine_adam(STEPS, 3e-3).init(params)
+    like = (params, opt_state, key_to_data(jr.key(KEY)), params)
     config = checkpoint_config(flow, BATCH, cnftrace.MaximumLikelihood(), None)
     return load_checkpoint(path, like, config)
 

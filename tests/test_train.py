@@ -186,7 +186,11 @@ def test_solver_failure_freezes_the_state_and_names_the_step():
     field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
     # Loose enough for the first steps; a large learning rate then stiffens it.
     flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-9, atol=1e-9, max_steps=3)
-    trainer = cnftrace.Trainer(lambda k, n: jr.normal(k, (n, 2)), key=jr.key(1))
+    trainer = cnftrace.Trainer(
+        lambda k, n: jr.normal(k, (n, 2)),
+        key=jr.key(1),
+        objective=cnftrace.MaximumLikelihood(tolerance=None),  # the flow's 1e-9
+    )
     state = trainer.init(flow)
     for _ in range(2):
         state, _ = trainer.step(state)
@@ -236,7 +240,7 @@ def test_evaluate_nll_matches_log_prob_and_closed_form():
             return self.a @ z
 
     a = jnp.array([[0.3, 0.1], [-0.2, 0.1]])
-    flow = cnftrace.CNF(Linear(a), 2, rtol=1e-10, atol=1e-10)
+    flow = cnftrace.CNF(Linear(a), 2, t1=1.0, rtol=1e-10, atol=1e-10)
     x = jr.normal(jr.key(5), (1234, 2))
     nll = cnftrace.evaluate_nll(flow, x, batch_size=500)
     lp = flow.log_prob(x)

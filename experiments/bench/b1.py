@@ -31,6 +31,7 @@ def make_flow(estimator: str, solver: str = "tsit5", seed: int = 0) -> cnftrace.
     return cnftrace.mlp_flow(
         2,
         key=jr.key(seed),
+        field="concatsquash",
         width=common.B1_WIDTH,
         depth=common.B1_DEPTH,
         t1=common.B1_T1,
@@ -76,7 +77,7 @@ def cnftrace_b1(
         key=jr.key(seed + 1),
         steps=iters,
         batch_size=batch,
-        objective=cnftrace.MaximumLikelihood(make_estimator(estimator)),
+        objective=cnftrace.MaximumLikelihood(make_estimator(estimator), tolerance=None),
         optimizer=optax.adam(common.B1_LR),
         progress=False,
         on_log=lambda record: stamps.append(time.perf_counter()),

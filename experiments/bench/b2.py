@@ -127,7 +127,12 @@ def cnftrace_b2(
     trainer = cnftrace.Trainer(
         lambda key, n: toy_sample(dataset, key, n, dtype=DTYPE),
         key=jr.key(seed + 1),
-        objective=objective,
+        # B1's protocol: maximum likelihood at the model's own 1e-5 in training too.
+        objective=(
+            cnftrace.MaximumLikelihood(tolerance=None)
+            if objective == "mle"
+            else objective
+        ),
         optimizer=optimizer,
         batch_size=batch,
     )

@@ -193,6 +193,8 @@ def _trainer(optimizer, dataset: str, batch: int, key) -> cnftrace.Trainer:
     return cnftrace.Trainer(
         lambda k, n: toy_sample(dataset, k, n, dtype=DTYPE),
         key=key,
+        # B1's protocol: the solver at the model's own 1e-5 in training too.
+        objective=cnftrace.MaximumLikelihood(tolerance=None),
         optimizer=optimizer,
         batch_size=batch,
     )
