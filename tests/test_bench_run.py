@@ -35,7 +35,7 @@ def test_quick_b1_report(tmp_path, capsys):
 
 def test_unknown_section_is_refused():
     with pytest.raises(SystemExit):
-        run.main(["--only", "b4"])
+        run.main(["--only", "b5"])
 
 
 def test_quick_b2_objectives_report(tmp_path):
@@ -51,3 +51,19 @@ def test_quick_b2_objectives_report(tmp_path):
         assert r["nfe_log_prob"] > 2 and r["nfe_sample"] > 2 and r["steps"] > 0
         assert r["curve"] and r["system"].startswith("cnftrace ")
     assert raw["fm"]["system"].endswith("(fm)")
+
+
+def test_quick_b4_report(tmp_path):
+    """B4 on one density in a few steps: cnftrace's gap beside zuko's (or the reason
+    zuko did not run), in the report and its JSON."""
+    out = os.path.join(tmp_path, "benchmarks.md")
+    assert run.main(["--quick", "--only", "b4", "--out", out]) == 0
+    report = open(out).read()
+    assert "## B4: quality per step and per second, beside zuko" in report
+    assert "| product5 | 5 | 3 × 32 |" in report
+    row = json.load(open(os.path.splitext(out)[0] + ".json"))["b4"]["product5"]
+    ours = row["cnftrace"]
+    assert ours["train_s"] > 0 and ours["gap_se"] > 0
+    # An untrained-ish flow is far from the truth, and the gap is a KL: positive.
+    assert ours["gap"] > 0.05
+    assert ("missing" in row["zuko"]) or row["zuko"]["gap"] > 0.05

@@ -21,7 +21,7 @@ import jax
 
 import cnftrace
 from experiments._common import atomic_write
-from experiments.bench import b1, b2, b3, common
+from experiments.bench import b1, b2, b3, b4, common
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -105,7 +105,7 @@ def b1_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("b1", "b2", "b2fm", "b3")
+SECTIONS = ("b1", "b2", "b2fm", "b3", "b4")
 
 
 def run_b2(budgets: dict, eval_every: float, test_size: int) -> dict:
@@ -280,7 +280,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--only",
         default="b1,b2,b2fm,b3",
-        help="comma-separated sections to run (b2fm: B2 for the three objectives)",
+        help="comma-separated sections to run (b2fm: B2 for the three objectives; "
+        "b4, quality beside zuko, takes over an hour and is left out by default: the "
+        "report then quotes its last run from experiments/results/b4.md)",
     )
     parser.add_argument("--out", default=None, help="report path (markdown)")
     args = parser.parse_args(argv)
@@ -293,6 +295,7 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(_HERE, os.pardir, os.pardir, "docs", "benchmarks.md")
     if args.quick:
         b1_args = dict(iters=3, batch=64)
+        b4_args = b4.QUICK
         b2_args = dict(budgets={"8gaussians": 3.0}, eval_every=1.0, test_size=200)
         b3_args = dict(
             divergence=dict(dims=(2, 8), batch=64, repeats=3),
@@ -307,12 +310,14 @@ def main(argv=None) -> int:
             test_size=common.B2_TEST_SIZE,
         )
         b3_args = dict(divergence={}, step={}, memory={})
+        b4_args = {}
 
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     b1_res = run_b1(**b1_args) if "b1" in sections else None
     b2_res = run_b2(**b2_args) if "b2" in sections else None
     b2fm_res = run_b2_objectives(**b2_args) if "b2fm" in sections else None
+    b4_res = b4.run_b4(**b4_args) if "b4" in sections else None
     b3_res = None
     if "b3" in sections:
         b3_res = {
@@ -382,6 +387,13 @@ def main(argv=None) -> int:
         ]
     if b3_res:
         parts += ["", "## B3: cost as the work grows", "", b3.markdown(b3_res)]
+    b4_title = "## B4: quality per step and per second, beside zuko"
+    if b4_res:
+        section = b4.section_markdown(b4_res, "python -m experiments.bench.run")
+        parts += ["", b4_title, "", section]
+    elif os.path.exists(b4.RESULTS_STEM + ".md"):
+        with open(b4.RESULTS_STEM + ".md") as f:
+            parts += ["", b4_title + " (its last run)", "", f.read().rstrip()]
     report = "\n".join(parts) + "\n"
     atomic_write(out, report.encode())
     raw = {
@@ -389,6 +401,7 @@ def main(argv=None) -> int:
         "b2": b2_res,
         "b2fm": b2fm_res,
         "b3": b3_res,
+        "b4": b4_res,
         "machine": machine(),
     }
     atomic_write(

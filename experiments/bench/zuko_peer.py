@@ -278,7 +278,8 @@ def zuko_b4(
     train_s = 0.0
     for i in range(steps):
         t0 = time.perf_counter()
-        x = torch.from_numpy(np.array(sample(jax.random.fold_in(key, i), batch)))
+        x = np.array(sample(jax.random.fold_in(key, i), batch), dtype=np.float32)
+        x = torch.from_numpy(x)
         loss = -flow().log_prob(x).mean()
         opt.zero_grad()
         loss.backward()
