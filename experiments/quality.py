@@ -279,7 +279,7 @@ def run_variant(cfg: dict, density, steps: int, seed: int, test) -> dict:
 def write_table(path_md: str, results: dict, title: str) -> None:
     base = results.get("mlp", {}).get("gap")
     lines = [
-        f"# {title}\n",
+        f"**{title}**\n",
         "Gap = flow NLL - true NLL on 20,000 held-out points (exact trace), ± its "
         "paired standard error. Training seconds depend on the machine's load.\n",
         "| variant | change from the base | gap (nats) | vs base | train s | NFE |",
