@@ -25,6 +25,8 @@ def test_quick_run_writes_table_json_and_figure(toy, tmp_path, capsys):
     assert math.isfinite(r["test_nll"]) and r["test_stderr"] > 0
     assert r["gap"] == pytest.approx(r["test_nll"] - math.log(32))
     assert r["eval_nfe"] > 0 and r["sample_nfe"] > 0
+    # checkerboard's recipe: a flow-matching warm start, then maximum likelihood.
+    assert r["stages"] == "3 × 512 FM + 3 × 256 MLE"
     with open(tmp_path / "ffjord_toy.json") as f:
         saved = json.load(f)
     assert saved["results"] == [r] and "jax" in saved["environment"]
@@ -46,15 +48,17 @@ def test_quick_run_writes_table_json_and_figure(toy, tmp_path, capsys):
 
     # A resumed run over other data sets keeps the earlier ones in the results.
     other = dict(r, data="moons")
-    toy.save(str(tmp_path / "ffjord_toy"), [other], {"checkerboard": r})
+    toy.save(str(tmp_path / "ffjord_toy"), [other], {"checkerboard": r}, "cnftrace")
     with open(tmp_path / "ffjord_toy.json") as f:
         assert [x["data"] for x in json.load(f)["results"]] == ["moons", "checkerboard"]
 
     # Numerical entropies are starred; a met target says so.
     rows = [dict(r, data="rings", entropy_is_closed_form=False)]
     rows.append(dict(r, data="8gaussians", gap=0.01))
-    table = toy.table(rows)
+    table = toy.table(rows, "cnftrace")
     assert "| rings | 3.4657* |" in table and "≤ 0.05: met" in table
+    assert "cnftrace's recipe" in table
+    assert "FFJORD's toy model" in toy.table(rows, "ffjord")
 
 
 def test_bad_arguments_are_refused_by_name(toy, tmp_path, capsys):
