@@ -236,9 +236,16 @@ def prune(directory: str, keep: int, like, config) -> list[str]:
     """Deletes all but the newest `keep` checkpoints that load into `like` under
     `config`, ordered by their step, and the unreadable files older than the newest
     of those (a newer good file has replaced them). Unreadable files newer than every
-    good one, and anything that is not a regular file, are left alone. Returns the
-    deleted paths."""
+    good one, and anything that is not a regular file, are left alone; temporary
+    files of a killed writer are removed. Returns the deleted checkpoint paths."""
     good, bad = [], []
+    for name in os.listdir(directory):
+        # Temporary files of a writer that was killed (the caller holds the lock).
+        if name.startswith(".tmp-") and name.endswith(".ckpt"):
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
     for step, path in list_checkpoints(directory):
         try:
             _verified(path, like, config)

@@ -328,6 +328,13 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of `RUN_DIR/metrics.jsonl`, each step once (the last record of a
+    step, for files written before resuming cut them back)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return _history.dedupe(_history.read_records(path))
+
+
 def cmd_plot(args) -> int:
     from .plot import plot_flow_2d, plot_image_grid, plot_training_curves
 
@@ -355,8 +362,7 @@ def cmd_plot(args) -> int:
                 title=f"{config['data']} samples, step {step}",
             )
         )
-    metrics = os.path.join(args.run_dir, "metrics.jsonl")
-    records = _history.dedupe(_history.read_records(metrics))  # each step once
+    records = read_metrics(args.run_dir)
     if records:
         entropy = toy_entropy(config["data"]) if source.kind == "toy" else None
         paths.append(

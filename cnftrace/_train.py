@@ -475,6 +475,6 @@ class _Loop:
             keep=self.checkpoints.keep,
             extra={
                 "skipped": int(self.state.skipped),
-                "seconds": time.perf_counter() - start,
+                "seconds": round(time.perf_counter() - start, 3),
             },
         )
