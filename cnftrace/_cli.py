@@ -26,9 +26,11 @@ from . import _history
 from ._builders import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ._checkpoint import CheckpointError, _atomic_write, same_value
 from ._cli_checks import (
+    CommandFailed,
     UsageError,
     check_args,
     check_fits_in_memory,
+    check_model_fits_in_memory,
     check_run_dir,
 )
 from ._cli_data import score_report
@@ -163,7 +165,7 @@ def _initialize_distributed() -> None:
     try:
         jax.distributed.initialize(**numbers)
     except (ValueError, RuntimeError) as e:
-        raise UsageError(
+        raise CommandFailed(
             f"--distributed could not join the cluster: {e}. Outside SLURM, "
             "Open MPI or Cloud TPU, set JAX_COORDINATOR_ADDRESS=host:port (process "
             "0's address), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."
@@ -217,6 +219,7 @@ def cmd_train(args) -> int:
     config = {k: getattr(args, k) for k in MODEL_KEYS}
     source = data_source(args.data)
     check_fits_in_memory("--batch-size", args.batch_size, source.dim)
+    check_model_fits_in_memory(args)
     key = jr.key(args.seed)
     model_key, train_key = jr.split(key)
     # Everything is checked (the model too) before anything is written.
@@ -562,7 +565,8 @@ def _failure(e: BaseException) -> tuple[int, str]:
         return 2, _one_line(str(e))
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted; what was checkpointed is kept."
-    if isinstance(e, (CheckpointError, TrainingError, ValueError, TypeError)):
+    expected = (CommandFailed, CheckpointError, TrainingError, ValueError, TypeError)
+    if isinstance(e, expected):
         return 1, _one_line(str(e))
     if isinstance(e, OSError):
         where = f": {e.filename}" if e.filename else ""

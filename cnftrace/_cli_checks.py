@@ -15,6 +15,11 @@ class UsageError(Exception):
     """An argument the command cannot run with (exit status 2)."""
 
 
+class CommandFailed(Exception):
+    """A command that could not run for a reason outside its arguments (exit status
+    1)."""
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -95,6 +100,20 @@ def memory_limit() -> tuple[int, str]:
         return int(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} memory"
     pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return pages * page, "this machine's memory"
+
+
+def check_model_fits_in_memory(args) -> None:
+    """A `UsageError` when the model's weights alone, with Adam's two moments, cannot
+    fit: at least `blocks * depth * width**2` numbers, three times."""
+    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
+    need = 3 * args.blocks * max(args.depth, 1) * args.width**2 * itemsize
+    limit, what = memory_limit()
+    if need > limit:
+        raise UsageError(
+            f"--width {args.width} cannot fit: {args.blocks} block(s) of depth "
+            f"{args.depth} need at least {need / 2**30:.3g} GiB for the weights and "
+            f"the optimiser's state, more than the {limit / 2**30:.3g} GiB of {what}."
+        )
 
 
 def check_fits_in_memory(flag: str, n: int, dim: int) -> None:

@@ -271,6 +271,7 @@ def test_6_user_errors_are_one_line_with_an_exit_status(tmp_path, capsys, monkey
     _fails([*train, "--print-every", "0"], 2, "--print-every must be", capsys)
     _fails([*train, "--checkpoint-every", "0"], 2, "--checkpoint-every", capsys)
     _fails([*train, "--batch-size", "100000000000"], 2, "GiB", capsys)
+    _fails([*train, "--width", "10000000"], 2, "--width 10000000 cannot fit", capsys)
     (tmp_path / "file").write_text("")
     _fails(["train", "--run-dir", str(tmp_path / "file"), *TINY], 2, "a file", capsys)
     _fails(["eval", run, "--n", "1"], 2, "--n must be at least 2", capsys)
