@@ -236,8 +236,9 @@ def prune(directory: str, keep: int, like, config) -> list[str]:
     """Deletes all but the newest `keep` checkpoints that load into `like` under
     `config`, ordered by their step, and the unreadable files older than the newest
     of those (a newer good file has replaced them). Unreadable files newer than every
-    good one, and anything that is not a regular file, are left alone; temporary
-    files of a killed writer are removed. Returns the deleted checkpoint paths."""
+    good one, files written under another config, and anything that is not a regular
+    file are left alone; temporary files of a killed writer are removed. Returns the
+    deleted checkpoint paths."""
     good, bad = [], []
     for name in os.listdir(directory):
         # Temporary files of a writer that was killed (the caller holds the lock).
@@ -250,7 +251,7 @@ def prune(directory: str, keep: int, like, config) -> list[str]:
         try:
             _verified(path, like, config)
         except _ConfigMismatch:
-            bad.append((step, path))
+            continue  # another run's: not ours to delete
         except CheckpointError:
             if os.path.lexists(path) and stat.S_ISREG(os.lstat(path).st_mode):
                 bad.append((step, path))
