@@ -205,7 +205,8 @@ def test_3_a_locked_directory_is_refused_naming_the_owner(tmp_path, capsys):
 
 def test_4_kill_and_resume_logs_every_step_exactly_once(tmp_path, capsys):
     run = str(tmp_path / "run")
-    argv = ["--run-dir", run, *TINY, "--checkpoint-every", "5"]
+    # Flow matching: no ODE solve in the training step, so little to compile.
+    argv = ["--run-dir", run, *TINY, "--checkpoint-every", "5", "--objective", "fm"]
     proc = subprocess.Popen(
         [sys.executable, os.path.join(SCRIPTS, "cli_for_resume.py"), "0.1", *argv],
         stdout=subprocess.DEVNULL,
@@ -375,6 +376,7 @@ def test_8_checkpoints_do_not_grow_and_history_survives_resume(tmp_path):
     flow = cnftrace.CNF(cnftrace.MLPField(2, width=4, depth=1, key=jr.key(0)), 2)
     data = np.asarray(jr.normal(jr.key(1), (64, 2)))
     kwargs = dict(key=jr.key(2), batch_size=8, optimizer=optax.adam(1e-3))
+    kwargs |= dict(objective="fm")  # no ODE solve in the step: quick to compile
     kwargs |= dict(progress=False, checkpoints=cnftrace.Checkpoints(d, every=1, keep=9))
     _, first = cnftrace.fit(flow, data, steps=4, **kwargs)
     sizes = [os.path.getsize(p) for _, p in list_checkpoints(d)]
