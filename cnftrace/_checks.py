@@ -110,6 +110,20 @@ def check_context(
     )
 
 
+def check_precision(dtype, name: str, fix: str | None = None) -> None:
+    """A `TypeError` for floating dtypes narrower than float32 (float16, bfloat16):
+    the adaptive solver's error control and the log-density need at least float32.
+    `fix`: what to do instead (a cast of `name` by default)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        fix = fix or f"convert it first, e.g. `{name}.astype(jnp.float32)`"
+        raise TypeError(
+            f"`{name}` is {dtype}, which cnftrace does not support: the adaptive ODE "
+            f"solver's error control and the log-density need float32 or float64; "
+            f"{fix}."
+        )
+
+
 def check_event_shape(shape, name: str, event_shape: tuple[int, ...]) -> None:
     """A clear error unless samples of shape `shape` are those the flow models."""
     if tuple(shape) != tuple(event_shape):
@@ -130,11 +144,12 @@ def check_samples(data, name: str, event_shape: tuple[int, ...] | None) -> Array
         )
     if event_shape is not None:
         check_event_shape(data.shape[1:], name, event_shape)
-    if not np.issubdtype(data.dtype, np.floating):
+    if not jnp.issubdtype(data.dtype, jnp.floating):
         raise TypeError(
             f"`{name}` has dtype {data.dtype}; convert it to floating point first "
             "(dequantise integer data)."
         )
+    check_precision(data.dtype, name)
     bad = ~np.isfinite(data.reshape(data.shape[0], -1)).all(axis=1)
     if bad.any():
         rows = np.flatnonzero(bad)

@@ -9,32 +9,45 @@ Each training run lives in its own directory:
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from . import _history
 from ._builders import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
-from ._checkpoint import CheckpointError, _atomic_write
+from ._checkpoint import CheckpointError, _atomic_write, same_value
+from ._cli_checks import (
+    CommandFailed,
+    UsageError,
+    check_args,
+    check_fits_in_memory,
+    check_model_fits_in_memory,
+    check_run_dir,
+)
 from ._cli_data import score_report
 from ._evaluate import evaluate_nll
 from ._flow import AbstractFlow
-from ._parallel import check_batch_size, data_mesh
+from ._lock import DirectoryLock
+from ._parallel import check_batch_size, data_mesh, is_main_process
 from ._runs import (
     MODEL_KEYS,
     load,
+    read_config,
     run_flow,
     run_objective,
     run_optimizer,
-    with_defaults,
 )
 from ._train import Checkpoints, Validation, fit
+from ._trainer import TrainingError
 from .datasets import (
     ALL_DATASETS,
     TOY_DATASETS,
@@ -60,7 +73,11 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
             f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
             "with `cnftrace train --run-dir DIR`."
         )
-    flow, info = load(run_dir, return_info=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flow, info = load(run_dir, return_info=True)
+    for w in caught:  # skipped checkpoints, say: one line each
+        print(f"cnftrace: {w.message}", file=sys.stderr)
     config = info["config"]
     return config, flow, info["step"], data_source(config["data"])
 
@@ -118,15 +135,15 @@ def _training_mesh(args):
         devices = "all"  # a multi-host run trains on every process's devices
     available = len(jax.devices())
     if devices != "all" and devices > available:
-        raise SystemExit(
-            f"error: --devices {devices} asks for more devices than the "
+        raise UsageError(
+            f"--devices {devices} asks for more devices than the "
             f"{available} available; pass --devices all or a number up to {available}."
         )
     mesh = data_mesh(None if devices == "all" else devices)
     try:
         check_batch_size(args.batch_size, mesh.size, ("--batch-size", "--devices"))
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(str(e)) from None
     return mesh
 
 
@@ -144,89 +161,130 @@ def _initialize_distributed() -> None:
             try:
                 numbers[name] = int(value)
             except ValueError:
-                raise SystemExit(f"error: {var}={value!r} is not an integer.") from None
+                raise UsageError(f"{var}={value!r} is not an integer.") from None
     try:
         jax.distributed.initialize(**numbers)
     except (ValueError, RuntimeError) as e:
-        raise SystemExit(
-            f"error: --distributed could not join the cluster: {e}. Outside SLURM, "
+        raise CommandFailed(
+            f"--distributed could not join the cluster: {e}. Outside SLURM, "
             "Open MPI or Cloud TPU, set JAX_COORDINATOR_ADDRESS=host:port (process "
             "0's address), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."
         ) from None
+
+
+def _write_config(run_dir: str, config: dict) -> None:
+    """Writes `config.json`, after checking that a run already there has the same
+    settings."""
+    path = os.path.join(run_dir, "config.json")
+    if os.path.lexists(path):
+        old = read_config(path)
+        diffs = [k for k in MODEL_KEYS if not same_value(old.get(k), config[k])]
+        if diffs:
+            raise UsageError(
+                f"{run_dir} holds a run with other settings ("
+                + ", ".join(
+                    f"{k}: {old.get(k)!r} there, {config[k]!r} now" for k in diffs
+                )
+                + "). Use another --run-dir, or the same settings to resume."
+            )
+    _atomic_write(path, json.dumps(config, indent=2).encode())
+
+
+class _Metrics:
+    """`metrics.jsonl`, one record per step. Before this run's first record, the
+    records from its step on are cut away: those a killed run logged after its last
+    checkpoint, which this run takes again. So every step is in the file once."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.log = None
+
+    def write(self, record: dict) -> None:
+        if self.log is None:
+            _history.truncate(self.path, record["step"] - 1)
+            self.log = _history.Log(self.path)
+        self.log.write(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
 
 
 def cmd_train(args) -> int:
     apply_recipe(args)
     if args.activation is None:
         args.activation = DEFAULT_ACTIVATION[args.field]
+    check_run_dir(args.run_dir)
     mesh = _training_mesh(args)
     config = {k: getattr(args, k) for k in MODEL_KEYS}
-    os.makedirs(os.path.join(args.run_dir, "checkpoints"), exist_ok=True)
-    config_path = os.path.join(args.run_dir, "config.json")
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            old = with_defaults(json.load(f))
-        diffs = [k for k in MODEL_KEYS if old.get(k) != config[k]]
-        if diffs:
-            raise SystemExit(
-                f"error: {args.run_dir} holds a run with other settings ("
-                + ", ".join(
-                    f"{k}: {old.get(k)!r} there, {config[k]!r} now" for k in diffs
-                )
-                + "). Use another --run-dir, or the same settings to resume."
-            )
-    _atomic_write(config_path, json.dumps(config, indent=2).encode())
+    source = data_source(args.data)
+    check_fits_in_memory("--batch-size", args.batch_size, source.dim)
+    check_model_fits_in_memory(args)
     key = jr.key(args.seed)
     model_key, train_key = jr.split(key)
-    source = data_source(args.data)
+    # Everything is checked (the model too) before anything is written.
     flow = run_flow(config, model_key, source.dim)
+    settings = dict(
+        key=train_key,
+        objective=run_objective(config),
+        optimizer=run_optimizer(config),
+        mesh=mesh,
+    )
+    lock = contextlib.nullcontext()
+    if is_main_process():
+        lock = DirectoryLock(args.run_dir, "run directory")
+    with lock:
+        _write_config(args.run_dir, config)
+        history = _train(args, config, source, flow, settings)
+    print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
+    return 0
+
+
+def _train(args, config, source, flow, settings) -> dict:
     tty = sys.stderr.isatty() and not args.no_progress
-    metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
-    last = {"t": time.perf_counter(), "step": None}
+    metrics = _Metrics(os.path.join(args.run_dir, "metrics.jsonl"))
+    last = {"t": time.perf_counter()}
 
-    with open(metrics_path, "a") as metrics:
+    def on_log(record):
+        now = time.perf_counter()
+        record = dict(record, step_seconds=now - last["t"])
+        last["t"] = now
+        metrics.write(record)
+        if not tty and record["step"] % args.print_every == 0:
+            print(
+                f"step {record['step']:>7}/{args.steps}  loss {record['loss']:.4f}"
+                f"  nfe {record['nfe']}/{record['nfe_backward']} (fwd/bwd)"
+                f"  {record['seconds']:.1f}s",
+                flush=True,
+            )
 
-        def on_log(record):
-            now = time.perf_counter()
-            record = dict(record, step_seconds=now - last["t"])
-            last["t"] = now
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if not tty and record["step"] % args.print_every == 0:
-                print(
-                    f"step {record['step']:>7}/{args.steps}  loss {record['loss']:.4f}"
-                    f"  nfe {record['nfe']}/{record['nfe_backward']} (fwd/bwd)"
-                    f"  {record['seconds']:.1f}s",
-                    flush=True,
-                )
-
-        validation = None
-        if source.validation is not None:
-            validation = Validation(source.validation, every=args.checkpoint_every)
-        flow, history = fit(
+    validation = None
+    if source.validation is not None:
+        validation = Validation(source.validation, every=args.checkpoint_every)
+    try:
+        _, history = fit(
             flow,
             source.train,
-            key=train_key,
             steps=args.steps,
             batch_size=args.batch_size,
-            objective=run_objective(config),
-            optimizer=run_optimizer(config),
             validation=validation,
             checkpoints=Checkpoints(
                 os.path.join(args.run_dir, "checkpoints"),
                 every=args.checkpoint_every,
                 config=config,
             ),
-            mesh=mesh,
             progress=tty,
             on_log=on_log,
+            **settings,
         )
-    print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
-    return 0
+    finally:
+        metrics.close()
+    return history
 
 
 def cmd_eval(args) -> int:
     config, flow, step, source = _load_run(args.run_dir)
+    check_fits_in_memory("--n", args.n, source.dim)
     test = source.test(args.seed, args.n)
     nll = evaluate_nll(flow, test)
     result = {
@@ -261,6 +319,7 @@ def cmd_eval(args) -> int:
 
 def cmd_sample(args) -> int:
     _, flow, _, source = _load_run(args.run_dir)
+    check_fits_in_memory("--n", args.n, source.dim)
     x = np.asarray(flow.sample(jr.key(args.seed), args.n))
     if source.kind == "images":
         x = digits_from_logit(x).reshape(args.n, 8, 8)  # pixel intensities in [0, 1]
@@ -270,6 +329,13 @@ def cmd_sample(args) -> int:
     os.replace(tmp, out)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of `RUN_DIR/metrics.jsonl`, each step once (the last record of a
+    step, for files written before resuming cut them back)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return _history.dedupe(_history.read_records(path))
 
 
 def cmd_plot(args) -> int:
@@ -299,10 +365,8 @@ def cmd_plot(args) -> int:
                 title=f"{config['data']} samples, step {step}",
             )
         )
-    metrics = os.path.join(args.run_dir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_metrics(args.run_dir)
+    if records:
         entropy = toy_entropy(config["data"]) if source.kind == "toy" else None
         paths.append(
             plot_training_curves(
@@ -314,14 +378,46 @@ def cmd_plot(args) -> int:
     return 0
 
 
+class _Exit(SystemExit):
+    """Ends the command with exit status `status` once its one-line message is
+    printed; `str()` of it is the message."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(status)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line on stderr, exit status 2."""
+
+    def error(self, message):
+        print(
+            f"{self.prog}: error: {message} (see `{self.prog} --help`)",
+            file=sys.stderr,
+        )
+        raise _Exit(message, 2)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cnftrace",
         description="Train, evaluate and sample continuous normalizing flows.",
     )
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show the full traceback (otherwise one line)",
+    )
+    parser.add_argument("--debug", action="store_true", help=debug._actions[0].help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_parser = lambda *a, **k: sub.add_parser(*a, parents=[debug], **k)  # noqa: E731
 
-    p = sub.add_parser("train", help="train a flow (toy 2-D, tabular or digits)")
+    p = add_parser("train", help="train a flow (toy 2-D, tabular or digits)")
     p.add_argument(
         "--data",
         "--dataset",
@@ -436,63 +532,66 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="exact-trace test NLL of a trained run")
+    p = add_parser("eval", help="exact-trace test NLL of a trained run")
     p.add_argument("run_dir")
     p.add_argument("--n", type=int, default=5000, help="test samples")
     p.add_argument("--seed", type=int, default=12345, help="seed of the test set")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("sample", help="draw samples from a trained run (.npy)")
+    p = add_parser("sample", help="draw samples from a trained run (.npy)")
     p.add_argument("run_dir")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="output .npy file (default RUN_DIR/samples.npy)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("plot", help="density, samples and training curves (PNG)")
+    p = add_parser("plot", help="density, samples and training curves (PNG)")
     p.add_argument("run_dir")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("datasets", help="list the toy data sets and their entropies")
+    p = add_parser("datasets", help="list the toy data sets and their entropies")
     p.set_defaults(func=cmd_datasets)
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _failure(e: BaseException) -> tuple[int, str]:
+    """The exit status and the one-line message for an error that ends a command."""
+    if isinstance(e, UsageError):
+        return 2, _one_line(str(e))
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "interrupted; what was checkpointed is kept."
+    expected = (CommandFailed, CheckpointError, TrainingError, ValueError, TypeError)
+    if isinstance(e, expected):
+        return 1, _one_line(str(e))
+    if isinstance(e, OSError):
+        where = f": {e.filename}" if e.filename else ""
+        message = f"{e.strerror or e}{where}"
+        if e.errno == 28:  # ENOSPC
+            message += "; free some space and run the same command to resume"
+        return 1, message
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return 1, f"{type(e).__name__}: {first} (run with --debug for the traceback)"
+
+
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "n", "blocks", "width", "num_probes"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1.")
-    for name in ("kinetic_energy", "jacobian_norm"):
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise SystemExit(
-                f"error: --{name.replace('_', '-')} must be a finite weight >= 0."
-            )
-    objective = getattr(args, "objective", "mle")
-    if objective != "mle":
-        if args.learn_t1:
-            raise SystemExit(
-                f"error: --objective {objective} fixes the integration time; drop "
-                "--learn-t1 (or use --objective mle)."
-            )
-        if args.kinetic_energy or args.jacobian_norm:
-            raise SystemExit(
-                f"error: --kinetic-energy and --jacobian-norm regularise --objective "
-                f"mle; drop them with --objective {objective}."
-            )
-    sigma = getattr(args, "fm_sigma", None)
-    if sigma is not None and not 0 <= sigma < 1:
-        raise SystemExit("error: --fm-sigma must be in [0, 1).")
-    if getattr(args, "distributed", False):
-        _initialize_distributed()  # before anything else touches JAX
-    jnp.zeros(())
     try:
+        check_args(args)
+        if getattr(args, "distributed", False):
+            _initialize_distributed()  # before anything else touches JAX
+        jnp.zeros(())
         return args.func(args)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
+    except (Exception, KeyboardInterrupt) as e:
+        if args.debug:
+            raise
+        status, message = _failure(e)
+        print(f"cnftrace: error: {message}", file=sys.stderr)
+        raise _Exit(message, status) from None
 
 
 if __name__ == "__main__":

@@ -23,7 +23,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from ._checks import check_context, check_int, check_positive, is_int
+from ._checks import (
+    check_context,
+    check_int,
+    check_positive,
+    check_precision,
+    is_int,
+    is_number,
+)
 from ._custom_types import Key, VectorField
 from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._norm import max_rms_norm, max_rms_seminorm
@@ -138,6 +145,7 @@ def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, 
             f"`{name}` has dtype {x.dtype}; a flow needs floating-point input. Convert "
             f"it first, e.g. `{name}.astype(jnp.float32)` (dequantise integer data)."
         )
+    check_precision(x.dtype, name)
     event_ndim = len(event_shape)
     shape = tuple(x.shape)
     if shape == event_shape:
@@ -149,6 +157,10 @@ def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, 
             f"`{name}` has shape {shape}, but this flow models samples of shape "
             f"{event_shape}: pass one sample of shape {event_shape} or a batch of "
             f"shape (n, {', '.join(map(str, event_shape))})."
+        )
+    if not unbatched and shape[0] == 0:
+        raise ValueError(
+            f"`{name}` is an empty batch (shape {shape}); pass at least one sample."
         )
     x = jnp.asarray(x)
     if unbatched:
@@ -169,6 +181,26 @@ def _need_key(key, estimators: Sequence[AbstractEstimator]) -> None:
             "`key=jax.random.key(seed)`; or evaluate with the exact trace via "
             "`flow.with_estimator(cnftrace.Exact())`."
         )
+
+
+def _check_span(t0, t1) -> None:
+    """`t0` and `t1` finite with `t1 > t0`, where they are numbers (or concrete
+    scalar arrays); a traced span is checked when the flow is solved."""
+    values = []
+    for name, value in (("t0", t0), ("t1", t1)):
+        if is_number(value):
+            values.append(float(value))
+            continue
+        if isinstance(value, jax.core.Tracer):
+            return
+        if not isinstance(value, (jax.Array, np.ndarray)) or np.ndim(value) != 0:
+            raise TypeError(f"`{name}` must be a number; got {value!r}.")
+        values.append(float(value))
+    t0, t1 = values
+    if not (math.isfinite(t0) and math.isfinite(t1)):
+        raise ValueError(f"the time span must be finite; got t0={t0}, t1={t1}.")
+    if t1 <= t0:
+        raise ValueError(f"need `t1 > t0`; got t0={t0}, t1={t1}.")
 
 
 class Regularization(eqx.Module):
@@ -564,6 +596,9 @@ class AbstractFlow(eqx.Module):
     def _base_sample(self, key, n, dtype):
         check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"`dtype` must be a floating dtype; got {dtype}.")
+        check_precision(dtype, "dtype", "pass `dtype=jnp.float32` (or float64)")
         return jr.normal(key, (n,) + self.event_shape, dtype)
 
     def _map(self, x, inverse, context, return_stats, name):
@@ -693,8 +728,7 @@ class CNF(AbstractFlow):
             )
         if len(shape) == 0 or any(s < 1 for s in shape):
             raise ValueError(f"`dim` must be positive; got {dim!r}.")
-        if isinstance(t0, (int, float)) and isinstance(t1, (int, float)) and t1 <= t0:
-            raise ValueError(f"need `t1 > t0`; got t0={t0}, t1={t1}.")
+        _check_span(t0, t1)
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
         check_int("max_steps", max_steps)
@@ -818,6 +852,13 @@ class CNF(AbstractFlow):
             # A learned end time is an array; in the state's dtype it does not
             # promote a float32 solve to float64.
             t1 = t1.astype(x.dtype)
+        elif not (is_number(self.t0) and is_number(t1)):
+            # An array span (a traced one, say) is checked where it is known.
+            t1 = eqx.error_if(
+                t1,
+                ~(jnp.isfinite(self.t0) & jnp.isfinite(t1) & (t1 > self.t0)),
+                "the CNF's time span must be finite with `t1 > t0`.",
+            )
         t_start, t_end = (t1, self.t0) if inverse else (self.t0, t1)
         adjoint = self._adjoint()
         # For first-same-as-last solvers the first evaluation f(t_start, y0) is made

@@ -9,6 +9,7 @@ that the command line and `load` agree on them.
 import io
 import json
 import os
+import pathlib
 import warnings
 from typing import Any
 
@@ -19,9 +20,11 @@ from ._builders import mlp_flow, warmup_cosine_adam
 from ._checkpoint import (
     CheckpointError,
     _atomic_write,
+    deserialise,
     latest_good_checkpoint,
     list_checkpoints,
     read_header,
+    read_regular_file,
 )
 from ._estimators import AbstractEstimator, Exact, Hutchinson
 from ._flow import AbstractFlow
@@ -52,6 +55,29 @@ LATER_KEYS = {
 
 def with_defaults(config: dict) -> dict:
     return {**LATER_KEYS, **config}
+
+
+def read_config(path: str) -> dict:
+    """A run's `config.json` with the settings added since filled in, or a
+    `CheckpointError` saying what is wrong with it."""
+    try:
+        text = read_regular_file(path, limit=2**20).decode()
+        config = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is not a JSON settings file ({e}); restore it, or start a new "
+            "run directory."
+        ) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object of settings.")
+    config = with_defaults(config)
+    missing = [k for k in MODEL_KEYS if k not in config]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks the settings {', '.join(missing)}; restore it, or start a "
+            "new run directory."
+        )
+    return config
 
 
 def run_flow(config: dict, key, dim: int) -> AbstractFlow:
@@ -167,15 +193,16 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
             f"{path} is a file of arrays; pass `like=`, a flow of the same "
             "architecture to load them into (or give a run directory)."
         )
+    if pathlib.Path(path).suffix == "":
+        path = f"{path}.eqx"  # as equinox reads it
+    data = read_regular_file(path)
     try:
-        return eqx.tree_deserialise_leaves(path, like)
-    except (ValueError, RuntimeError, EOFError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
+        return deserialise(data, like, path)
+    except CheckpointError as e:
         raise CheckpointError(
             f"{path} does not hold the arrays of a flow like `like` ({e}); was it "
             "saved from a flow of another architecture?"
-        ) from e
+        ) from None
 
 
 def _event_shape(checkpoints: str) -> tuple[int, ...] | None:
@@ -198,8 +225,7 @@ def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
             f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
             "with `cnftrace train --run-dir DIR`."
         )
-    with open(path) as f:
-        config = with_defaults(json.load(f))
+    config = read_config(path)
     checkpoints = os.path.join(run_dir, "checkpoints")
     shape = _event_shape(checkpoints)
     if shape is None or len(shape) != 1:

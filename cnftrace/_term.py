@@ -78,6 +78,29 @@ def _count_vjps(fn: Callable, counter: Array, *inputs):
     return counted(counter, diff)
 
 
+def checked_output(dz, z):
+    """The vector field's output `dz` for one sample `z`, checked (when traced, at no
+    run-time cost): an array of `z`'s shape and a floating dtype."""
+    shape = getattr(dz, "shape", None)
+    if shape is None or not hasattr(dz, "dtype"):
+        raise TypeError(
+            "the vector field must return an array, dz/dt for the sample; it "
+            f"returned {type(dz).__name__}."
+        )
+    if tuple(shape) != tuple(z.shape):
+        raise ValueError(
+            f"the vector field returned shape {tuple(shape)} for a sample of shape "
+            f"{tuple(z.shape)}; it must return dz/dt, of the sample's shape (does its "
+            "output size match the flow's `dim`?)."
+        )
+    if not jnp.issubdtype(dz.dtype, jnp.floating):
+        raise TypeError(
+            f"the vector field returned dtype {dz.dtype}; it must return floating "
+            f"dz/dt (the sample's dtype is {z.dtype})."
+        )
+    return dz
+
+
 def _vmap_n(fn, n: int, in_axes):
     for _ in range(n):
         fn = jax.vmap(fn, in_axes=in_axes)
@@ -226,7 +249,7 @@ class CNFTerm(ODETerm):
             field_args = user_args if context is None else context_i
 
             def fn(u):
-                return self.vector_field(t, u, field_args)
+                return checked_output(self.vector_field(t, u, field_args), u)
 
             if not self.regularize:
                 dz, div = self.estimator.estimate(fn, z_i, probes_i)
@@ -265,5 +288,5 @@ class StateTerm(ODETerm):
     def vf(self, t, y, args):
         batch_ndim = y.ndim - self.event_ndim
         axes = (0, 0 if self.per_sample_args else None)
-        fn = _vmap_n(lambda z_i, a: self.vector_field(t, z_i, a), batch_ndim, axes)
-        return fn(y, args)
+        fn = lambda z_i, a: checked_output(self.vector_field(t, z_i, a), z_i)
+        return _vmap_n(fn, batch_ndim, axes)(y, args)

@@ -1,6 +1,8 @@
 """`fit`: a short loop over `Trainer`'s step, with validation, checkpoints and
 progress around it."""
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,7 @@ import optax
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
+from . import _history
 from ._checkpoint import (
     CheckpointError,
     key_to_data,
@@ -25,6 +28,7 @@ from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._evaluate import evaluate_nll
 from ._flow import AbstractFlow
+from ._lock import DirectoryLock
 from ._objectives import AbstractObjective
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._trainer import (
@@ -77,10 +81,18 @@ class Validation(eqx.Module):
 
 class Checkpoints(eqx.Module):
     """[`fit`][cnftrace.fit]'s checkpoint settings: the model, optimiser state, step,
-    key, history and config are written to `directory` every `every` steps and at
-    the end, keeping the newest `keep`. If `directory` already holds checkpoints of
-    the same config, training resumes from the newest good one (corrupted ones are
-    reported and skipped) and continues exactly as an uninterrupted run would.
+    key and config are written to `directory` every `every` steps and at the end,
+    keeping the newest `keep` that load. If `directory` already holds checkpoints of
+    the same config, training resumes from the newest good one (corrupted ones, and
+    anything that is not a regular file, are reported and skipped) and continues
+    exactly as an uninterrupted run would.
+
+    The history is kept beside them, in `directory/history.jsonl` (one JSON record
+    per logged step or validation), rather than in every checkpoint: on resume it is
+    cut back to the checkpoint's step, so the history `fit` returns holds every step
+    exactly once. While `fit` runs, it holds the directory's lock (`directory/.lock`,
+    with its pid and host): a second `fit` on the same directory is refused, naming
+    the first; a lock left by a killed process is taken over.
 
     **Arguments:**
 
@@ -252,8 +264,15 @@ def fit(
         checkpoints = Checkpoints(checkpoints)
     if validation is not None:
         validation = _checked_validation(validation, flow)
-    loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
-    return loop.run(max_failures, progress, log_every, on_log)
+    lock = contextlib.nullcontext()
+    if checkpoints is not None and is_main_process():
+        lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
+    with lock:
+        loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
+        try:
+            return loop.run(max_failures, progress, log_every, on_log)
+        finally:
+            loop.log.close()
 
 
 def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
@@ -270,10 +289,6 @@ def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validatio
     return Validation(data, context, validation.every, validation.patience, estimator)
 
 
-_BASE_NAMES = ("step", "loss", "nfe", "nfe_backward", "seconds", "skipped")
-_VAL_NAMES = ("val_step", "val_nll", "val_stderr")
-
-
 class _Loop:
     """`fit`'s host side: the state between steps, the history, the best
     parameters, validation and checkpoints."""
@@ -282,16 +297,21 @@ class _Loop:
         self.trainer, self.steps, self.key = trainer, steps, key
         self.validation, self.checkpoints = validation, checkpoints
         self.main_process = is_main_process()
-        self.history: dict[str, list[Any]] = {n: [] for n in _BASE_NAMES + _VAL_NAMES}
+        self.history = _history.empty_history()
+        self.elapsed = 0.0  # seconds of training before this call (when resumed)
         self.config = checkpoint_config(
             flow,
             trainer.batch_size,
             trainer.objective,
             None if checkpoints is None else checkpoints.config,
         )
+        self.log = _history.Log(None)
         best = None
         if checkpoints is not None:
-            state, best = self._resume(state)
+            path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
+            state, best = self._resume(state, path)
+            if self.main_process:
+                self.log = _history.Log(path)
         self.state = state
         # A copy of its own: the state is donated to each step.
         if best is None:
@@ -301,9 +321,10 @@ class _Loop:
         # apart from the training keys `fold_in(key, step)`.
         self.val_key = jr.fold_in(key, 2**31 - 1)
 
-    def _resume(self, state: TrainState):
+    def _resume(self, state: TrainState, history_path: str):
         """`(state, best parameters)` from the newest good checkpoint of the same
-        config, or `(state, None)` when there is none."""
+        config, or `(state, None)` when there is none. The history file is cut back
+        to the checkpoint's step (emptied without one) and read into the history."""
         params = _params(state.flow)
         like = (params, state.opt_state, key_to_data(self.key), params)
         like = jax.tree_util.tree_map(_local_copy, like)
@@ -311,6 +332,11 @@ class _Loop:
         # Every process must resume from the same step, or they would deadlock.
         first_step = 0 if found is None else found[0]
         check_same_on_all_processes(first_step, "the checkpoint step to resume from")
+        if self.main_process:
+            records = _history.truncate(history_path, first_step)
+        else:  # process 0 truncates; the others read up to the same step
+            records = _history.read_records(history_path)
+            records = _history.dedupe(r for r in records if r["step"] <= first_step)
         if found is None:
             return state, None
         _, (params, opt_state, saved_key, best), header = found
@@ -320,10 +346,18 @@ class _Loop:
                 "run with another `key`; resuming with this key would not continue "
                 "that run. Pass the same key, or use a new checkpoint directory."
             )
-        self.history = header["history"]
-        for name in _BASE_NAMES + _VAL_NAMES:
-            self.history.setdefault(name, [])
-        skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
+        if not records and header.get("history"):
+            # A format-1 checkpoint carries the history in its header.
+            records = _history.records_from_history(header["history"])
+            records = [r for r in records if r["step"] <= first_step]
+            if self.main_process:
+                _history.rewrite(history_path, records)
+        self.history = _history.history_from_records(records)
+        skipped = header.get("skipped")
+        if skipped is None:  # format 1
+            skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
+        seconds = self.history["seconds"]
+        self.elapsed = header.get("seconds", seconds[-1] if seconds else 0.0)
         _, static = eqx.partition(state.flow, eqx.is_inexact_array)
         state = TrainState(
             step=jnp.asarray(first_step),
@@ -338,8 +372,7 @@ class _Loop:
 
     def run(self, max_failures, progress, log_every, on_log):
         first_step, steps = int(self.state.step), self.steps
-        seconds = self.history["seconds"]
-        start = time.perf_counter() - (seconds[-1] if seconds else 0)
+        start = time.perf_counter() - self.elapsed
         bar = tqdm(
             range(first_step, steps),
             initial=first_step,
@@ -375,11 +408,11 @@ class _Loop:
                         nfe=f"{record['nfe']}/{record['nfe_backward']}",
                     )
             if checkpoint_now:
-                self._save(done)
+                self._save(done, start)
             patience = None if self.validation is None else self.validation.patience
             if patience is not None and self._validations_since_best() >= patience:
                 if every is not None and not checkpoint_now:
-                    self._save(done)
+                    self._save(done, start)
                 break
         bar.close()
         if self.validation is not None:
@@ -401,13 +434,8 @@ class _Loop:
         return record | extra
 
     def _append(self, record: dict[str, Any]) -> None:
-        new = [name for name in record if name not in self.history]
-        if new:  # the objective's own metrics go before validation's
-            names = [n for n in self.history if n not in _VAL_NAMES] + new
-            names += list(_VAL_NAMES)
-            self.history = {n: self.history.get(n, []) for n in names}
-        for name, value in record.items():
-            self.history[name].append(value)
+        self.history = _history.append_train(self.history, record)
+        self.log.write(record)
 
     def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
         model = self.state.flow
@@ -422,9 +450,8 @@ class _Loop:
             estimator=self.validation.estimator,
             key=jr.fold_in(self.val_key, done),
         )
-        self.history["val_step"].append(done)
-        self.history["val_nll"].append(val.mean)
-        self.history["val_stderr"].append(val.stderr)
+        _history.append_validation(self.history, done, val.mean, val.stderr)
+        self.log.write({"step": done, "val_nll": val.mean, "val_stderr": val.stderr})
         if self._validations_since_best() == 0:
             self.best = jax.tree_util.tree_map(jnp.copy, _params(self.state.flow))
         return dict(record, val_nll=val.mean, val_stderr=val.stderr)
@@ -433,17 +460,21 @@ class _Loop:
         nll = self.history["val_nll"]
         return len(nll) - 1 - int(np.argmin(nll)) if nll else 0
 
-    def _save(self, done: int) -> None:
+    def _save(self, done: int, start: float) -> None:
         if not self.main_process:
             return
         params = _params(self.state.flow)
         best = self.best if self.validation is not None else params
         state = (params, self.state.opt_state, key_to_data(self.key), best)
+        self.log.sync()  # the history file covers every checkpoint
         save_checkpoint(
             self.checkpoints.directory,
             done,
             state,
             self.config,
             keep=self.checkpoints.keep,
-            history=self.history,
+            extra={
+                "skipped": int(self.state.skipped),
+                "seconds": round(time.perf_counter() - start, 3),
+            },
         )

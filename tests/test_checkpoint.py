@@ -73,6 +73,11 @@ def test_resume_after_sigkill_gives_the_same_losses(tmp_path):
     for step, loss in logged.items():
         assert loss == reference[step - 1]
     assert [s for s, _ in list_checkpoints(run_dir)] == [35, 40]  # keep=2
+    # fit's own history file, cut back to the checkpoint on resume: each step once.
+    with open(os.path.join(run_dir, "history.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    assert [r["step"] for r in history] == list(range(1, 41))
+    assert [r["loss"] for r in history] == reference
 
 
 def _state():

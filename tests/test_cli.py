@@ -19,6 +19,7 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     run = str(tmp_path / "run")
     assert main(["train", "--run-dir", run, "--checkpoint-every", "5", *TINY]) == 0
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
+        "history.jsonl",  # fit's history, beside its checkpoints
         "step_000000005.ckpt",
         "step_000000010.ckpt",
         "step_000000012.ckpt",

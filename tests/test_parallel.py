@@ -98,6 +98,8 @@ def runs(tmp_path_factory):
     # The 4-device run resumes from this run's first checkpoint.
     os.makedirs(os.path.join(tmp, "four"))
     shutil.copy(_ckpt(one, 1), os.path.join(tmp, "four"))
+    # The history lives beside the checkpoints (cut back to step 1 on resume).
+    shutil.copy(os.path.join(one, "history.jsonl"), os.path.join(tmp, "four"))
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "child", tmp],
         env=_child_env(4),
@@ -242,7 +244,10 @@ def test_two_processes_give_the_numbers_of_one(runs, tmp_path):
             )
     assert [r["logged"] for r in results] == [[1, 2, 3], []]
     checkpoints = sorted(os.listdir(tmp_path / "ckpt"))
-    assert checkpoints == [f"step_{i:09d}.ckpt" for i in (1, 2, 3)]
+    assert checkpoints == [
+        "history.jsonl",
+        *(f"step_{i:09d}.ckpt" for i in (1, 2, 3)),
+    ]
 
 
 def _fit_ot_fm(mesh) -> list[float]:
