@@ -19,9 +19,10 @@ demo: venv
 
 # One pytest worker per core (`-n auto`): the suite's time is mostly XLA compiling
 # small programs, one core each. A test file runs whole on one worker, so its
-# module-scoped fixtures are built once.
+# module-scoped fixtures are built once. A worker that crashes is not replaced: the
+# run ends with its failure instead of waiting on the crashed worker's files.
 test: venv
-	$(PY) -m pytest -q -n auto --dist loadfile tests; rc=$$?; \
+	$(PY) -m pytest -q -n auto --dist loadfile --max-worker-restart=0 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; fi; exit $$rc
 
 # The documentation site (mkdocs.yml, docs/): `docs-build` builds it into site/ and

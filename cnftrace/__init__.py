@@ -4,6 +4,10 @@ The public API lives here; the `_`-modules are private.
 """
 
 from ._builders import mlp_flow as mlp_flow, warmup_cosine_adam as warmup_cosine_adam
+from ._cache import (
+    default_cache_dir as default_cache_dir,
+    enable_compilation_cache as enable_compilation_cache,
+)
 from ._checkpoint import CheckpointError as CheckpointError
 from ._estimators import (
     AbstractEstimator as AbstractEstimator,
@@ -13,6 +17,7 @@ from ._estimators import (
 )
 from ._evaluate import (
     NLL as NLL,
+    SolverError as SolverError,
     evaluate_nll as evaluate_nll,
     log_prob_batched as log_prob_batched,
 )

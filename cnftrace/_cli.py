@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _history
 from ._builders import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
+from ._cache import enable_compilation_cache
 from ._checkpoint import CheckpointError, _atomic_write, same_value
 from ._cli_checks import (
     CommandFailed,
@@ -584,6 +585,9 @@ def main(argv=None) -> int:
         check_args(args)
         if getattr(args, "distributed", False):
             _initialize_distributed()  # before anything else touches JAX
+        # Compiled programs are stored on disk: a second run, a resume, `eval` and
+        # `sample` of a trained run load them instead of compiling again.
+        enable_compilation_cache()
         jnp.zeros(())
         return args.func(args)
     except (Exception, KeyboardInterrupt) as e:

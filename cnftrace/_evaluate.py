@@ -2,6 +2,7 @@
 
 import math
 
+import diffrax
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
@@ -11,7 +12,14 @@ from jaxtyping import Array, Float
 from ._checks import check_context, check_int
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact
-from ._flow import AbstractFlow
+from ._flow import AbstractFlow, _need_key, _validate_input
+
+
+class SolverError(RuntimeError):
+    """An ODE solve of an evaluation failed (its step limit, say): raised on the
+    host by [`log_prob_batched`][cnftrace.log_prob_batched] and
+    [`evaluate_nll`][cnftrace.evaluate_nll] with diffrax's message and the samples
+    it failed on."""
 
 
 class NLL(eqx.Module):
@@ -43,11 +51,14 @@ class NLL(eqx.Module):
 
 
 @eqx.filter_jit
-def _log_prob_and_stats(model: AbstractFlow, x, key, context=None):
-    """`model.log_prob(x, context=context, key=key, return_stats=True)`, jitted once
-    at module level so that repeated evaluations (every chunk, every validation
-    during `fit`) reuse the compiled code."""
-    return model.log_prob(x, context=context, key=key, return_stats=True)
+def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
+    """The log-density of a checked batch, its evaluations per solve and the first
+    failed solve's result: jitted once at module level so that repeated evaluations
+    (every chunk, every validation during `fit`) reuse the compiled code. It holds
+    no host callback (the caller checks the input and the result on the host), so
+    JAX's persistent compilation cache can store it."""
+    logp, stats = model._batch_log_prob(x, key, context=context)
+    return logp, stats.total_nfe, stats.first_failure()
 
 
 def log_prob_batched(
@@ -80,8 +91,10 @@ def log_prob_batched(
     **Returns:**
 
     The log-densities as a NumPy array of shape `(n,)` (gathered on the host, chunk
-    by chunk); with `return_nfe`, a pair `(log_prob, nfe)`. A failed solve raises
-    diffrax's message, as [`log_prob`][cnftrace.AbstractFlow.log_prob] does.
+    by chunk); with `return_nfe`, a pair `(log_prob, nfe)`. The samples are checked
+    on the host (NaN or inf raise a `ValueError`), and a failed solve raises a
+    [`SolverError`][cnftrace.SolverError] with diffrax's message: the compiled
+    program holds no host callback, so JAX's persistent compilation cache keeps it.
 
     !!! example
 
@@ -94,20 +107,29 @@ def log_prob_batched(
         ```
     """
     check_int("batch_size", batch_size)
-    x = jnp.asarray(x)
-    if x.ndim < 1 or x.shape[0] < 1:
-        raise ValueError(f"`x` must be a batch of samples; got shape {x.shape}.")
+    x, unbatched = _validate_input(x, flow.event_shape, "x", on_host=True)
+    if unbatched:
+        raise ValueError(
+            f"`x` must be a batch of samples, shape (n, *{flow.event_shape}); got "
+            f"one sample of shape {flow.event_shape}: use `flow.log_prob` for it."
+        )
     n = x.shape[0]
     context = check_context(context, flow.context_dim, n, broadcast=False, host=True)
     model = flow.with_estimator(Exact() if estimator is None else estimator)
+    _need_key(key, model.estimators())
     values, nfes = [], []
     for i, start in enumerate(range(0, n, batch_size)):
         chunk = x[start : start + batch_size]
         ctx = None if context is None else context[start : start + batch_size]
         k = None if key is None else jr.fold_in(key, i)
-        lp, stats = _log_prob_and_stats(model, chunk, k, ctx)
+        lp, nfe, result = _log_prob_nfe_result(model, chunk, k, ctx)
+        if result != diffrax.RESULTS.successful:
+            raise SolverError(
+                f"the ODE solve failed on samples {start} to "
+                f"{start + chunk.shape[0] - 1} of `x`: {diffrax.RESULTS[result]}"
+            )
         values.append(np.asarray(lp))
-        nfes.append(float(stats.total_nfe))
+        nfes.append(float(nfe))
     lp = np.concatenate(values)
     return (lp, float(np.mean(nfes))) if return_nfe else lp
 

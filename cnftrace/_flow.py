@@ -12,7 +12,7 @@ step-size controller uses the maximum over samples of each sample's RMS error.
 
 import abc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import diffrax
 import equinox as eqx
@@ -134,8 +134,53 @@ def _standard_normal_log_prob(z: Array, event_ndim: int) -> Array:
     return -0.5 * jnp.sum(z**2, axis=axes) - 0.5 * size * math.log(2 * math.pi)
 
 
-def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, bool]:
-    """Checks `x` and returns it with a batch axis, and whether one was added."""
+class _FromFirstStep(diffrax.AbstractAdaptiveStepSizeController):
+    """A `PIDController` that starts from a step the caller has computed (a traced
+    value).
+
+    Given as `dt0`, a traced first step makes diffrax check its sign with an
+    `eqx.error_if`, a host callback in the compiled program, and JAX's persistent
+    compilation cache stores no program that holds one. So `diffeqsolve` gets a
+    constant `dt0` of the right sign and dtype, and the controller starts from the
+    magnitude of the computed step (diffrax solves in the direction of time)."""
+
+    controller: diffrax.PIDController
+    first_step: Float[Array, ""]
+    rtol: float
+    atol: float
+    norm: Callable
+
+    def __init__(self, controller: diffrax.PIDController, first_step):
+        self.controller = controller
+        self.first_step = jnp.abs(first_step)
+        self.rtol, self.atol, self.norm = (
+            controller.rtol,
+            controller.atol,
+            controller.norm,
+        )
+
+    def wrap(self, direction):
+        return _FromFirstStep(self.controller.wrap(direction), self.first_step)
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        del dt0
+        return self.controller.init(
+            terms, t0, t1, y0, self.first_step, args, func, error_order
+        )
+
+    def adapt_step_size(self, *args, **kwargs):
+        return self.controller.adapt_step_size(*args, **kwargs)
+
+
+def _validate_input(
+    x, event_shape: tuple[int, ...], name: str, *, on_host: bool = False
+) -> tuple[Array, bool]:
+    """Checks `x` and returns it with a batch axis, and whether one was added.
+
+    NaN and inf are refused by an `eqx.error_if`, which works under the caller's
+    `jit` too but puts a host callback in the program (and JAX's persistent cache
+    stores no program with one); `on_host=True` checks concrete data on the host
+    instead, before any program runs."""
     if isinstance(x, (list, tuple)):
         x = jnp.asarray(x)
     if not isinstance(x, (jax.Array, np.ndarray)):
@@ -162,15 +207,19 @@ def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, 
         raise ValueError(
             f"`{name}` is an empty batch (shape {shape}); pass at least one sample."
         )
+    not_finite = (
+        f"`{name}` contains NaN or inf; a density is only defined at finite points. "
+        "Remove or impute those samples first."
+    )
+    if on_host:
+        if not np.isfinite(np.asarray(x)).all():
+            raise ValueError(not_finite)
+        x = jnp.asarray(x)
+        return (x[None] if unbatched else x), unbatched
     x = jnp.asarray(x)
     if unbatched:
         x = x[None]
-    x = eqx.error_if(
-        x,
-        jnp.any(~jnp.isfinite(x)),
-        f"`{name}` contains NaN or inf; a density is only defined at finite points. "
-        "Remove or impute those samples first.",
-    )
+    x = eqx.error_if(x, jnp.any(~jnp.isfinite(x)), not_finite)
     return x, unbatched
 
 
@@ -871,11 +920,6 @@ class CNF(AbstractFlow):
         if self._shares_first_evaluation():
             f0 = term.vf(t_start, y0, args)
             solver_state = (jnp.asarray(False), f0)
-        if self.dt0 is None:
-            dz0 = None if f0 is None else (f0[0] if log_det else f0)
-            dt0 = self._initial_step(t_start, t_end, x, dz0, context)
-        else:
-            dt0 = -self.dt0 if inverse else self.dt0
         controller = diffrax.PIDController(
             rtol=self.rtol,
             atol=self.atol,
@@ -885,6 +929,20 @@ class CNF(AbstractFlow):
             # regularised solve takes the steps of a plain one.
             norm=_state_and_log_density_norm if regularize else max_rms_norm,
         )
+        if self.dt0 is None:
+            dz0 = None if f0 is None else (f0[0] if log_det else f0)
+            dt0 = self._initial_step(t_start, t_end, x, dz0, context)
+            if dt0.dtype == jnp.result_type(float):
+                # The controller starts from this step; diffeqsolve gets a Python
+                # number of its sign, like the span, so it checks the sign while
+                # tracing and not with a callback at run time. (A state narrower
+                # than JAX's default float, float32 under x64, keeps the step as
+                # `dt0`: Python numbers would make the solve's time, and so its
+                # state, float64.)
+                controller = _FromFirstStep(controller, dt0)
+                dt0 = -1.0 if inverse else 1.0
+        else:
+            dt0 = -self.dt0 if inverse else self.dt0
         sol = diffrax.diffeqsolve(
             term,
             self.solver,

@@ -367,6 +367,7 @@ class _Loop:
             skipped=jnp.asarray(skipped, jnp.int32),
             failed_step=jnp.zeros((), jnp.int32),
             result=state.result,
+            bad_batch_step=jnp.zeros((), jnp.int32),
         )
         return self.trainer.placed(state), self.trainer.placed(best)
 

@@ -99,6 +99,8 @@ class TrainState(eqx.Module):
     - `failed_step`: the step (1-based) whose ODE solve failed, or 0. From then on
         every step leaves the state as it is.
     - `result`: that solve's `diffrax.RESULTS` (`successful` if none failed).
+    - `bad_batch_step`: the step (1-based) whose generated batch held NaN or inf, or
+        0. It stops the run as a failed solve does.
     """
 
     step: Int[Array, ""]
@@ -108,6 +110,7 @@ class TrainState(eqx.Module):
     skipped: Int[Array, ""]
     failed_step: Int[Array, ""]
     result: diffrax.RESULTS
+    bad_batch_step: Int[Array, ""]
 
 
 def _all_finite(tree) -> Array:
@@ -141,13 +144,18 @@ class _ArraySampler(eqx.Module):
     context: Array | None
 
     def __call__(self, key, batch_size):
+        """`(batch, context or None, bad)`; `bad` is `False`: the samples were
+        checked up front."""
         idx = jr.randint(key, (batch_size,), 0, self.data.shape[0])
-        return self.data[idx], None if self.context is None else self.context[idx]
+        context = None if self.context is None else self.context[idx]
+        return self.data[idx], context, jnp.asarray(False)
 
 
 class _GeneratorSampler(eqx.Module):
     """Fresh batches from `data(key, batch_size)`, checked as they come (an array is
-    checked once, up front): a bad one stops the step before any update."""
+    checked once, up front). The check is a flag, not a host callback, so that the
+    compiled step can be stored in the persistent compilation cache: a bad batch
+    stops the step before any update, and `Trainer.check` raises for it."""
 
     data: Callable
 
@@ -156,10 +164,7 @@ class _GeneratorSampler(eqx.Module):
         bad = jnp.any(~jnp.isfinite(batch))
         if ctx is not None:
             bad = bad | jnp.any(~jnp.isfinite(ctx))
-        batch = eqx.error_if(
-            batch, bad, "a training batch contains NaN or inf; clean the data."
-        )
-        return batch, ctx
+        return batch, ctx, bad
 
 
 class Trainer(eqx.Module):
@@ -298,6 +303,7 @@ class Trainer(eqx.Module):
             skipped=zero(),
             failed_step=zero(),
             result=diffrax.RESULTS.successful,
+            bad_batch_step=zero(),
         )
         return self.placed(state)
 
@@ -340,6 +346,14 @@ class Trainer(eqx.Module):
                 f"the ODE solve failed at training step {failed_step}: "
                 f"{diffrax.RESULTS[result]} The last checkpoint is intact."
             )
+        bad_batch_step = int(state.bad_batch_step)
+        if bad_batch_step:
+            raise TrainingError(
+                f"the training batch of step {bad_batch_step}, drawn from the data "
+                "function, contains NaN or inf; make the function return finite "
+                "samples. The model was not updated by that step and the last "
+                "checkpoint is intact."
+            )
         failures = int(state.failures)
         if max_failures is not None and failures >= max_failures:
             raise TrainingError(
@@ -352,7 +366,7 @@ class Trainer(eqx.Module):
 
 def _train_step(trainer: Trainer, state: TrainState):
     data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
-    batch, ctx = trainer.sample(data_key, trainer.batch_size)
+    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
     if trainer.mesh is not None:
         # Every process draws the same global batch; each device keeps its part.
         batch, ctx = trainer.mesh.shard_batch((batch, ctx))
@@ -385,14 +399,14 @@ def _train_step(trainer: Trainer, state: TrainState):
     updates = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), updates, params)
     new_params = eqx.apply_updates(params, updates)
     solved = result == diffrax.RESULTS.successful
-    frozen = state.failed_step > 0
-    ok = jnp.isfinite(loss) & _all_finite(grads) & solved & ~frozen
+    frozen = (state.failed_step > 0) | (state.bad_batch_step > 0)
+    ok = jnp.isfinite(loss) & _all_finite(grads) & solved & ~bad_batch & ~frozen
     keep_new = lambda new, old: jnp.where(ok, new, old)
     params = jax.tree_util.tree_map(keep_new, new_params, params)
     opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, state.opt_state)
     if trainer.mesh is not None:
         params, opt_state = trainer.mesh.keep_replicated((params, opt_state))
-    fails_now = ~solved & ~frozen
+    fails_now = ~solved & ~bad_batch & ~frozen
     state = TrainState(
         step=state.step + 1,
         flow=eqx.combine(params, static),
@@ -401,6 +415,9 @@ def _train_step(trainer: Trainer, state: TrainState):
         skipped=state.skipped + (~ok).astype(state.skipped.dtype),
         failed_step=jnp.where(fails_now, state.step + 1, state.failed_step),
         result=diffrax.RESULTS.where(fails_now, result, state.result),
+        bad_batch_step=jnp.where(
+            bad_batch & ~frozen, state.step + 1, state.bad_batch_step
+        ),
     )
     return state, dict(info, skipped=~ok)
 

@@ -26,6 +26,9 @@ def main(argv=None):
     parser.add_argument("--test-size", type=int, default=5000)
     parser.add_argument("--out", default="demo_output", help="output directory")
     args = parser.parse_args(argv)
+    # A second `make demo` loads its compiled programs from disk instead of
+    # compiling them again.
+    cnftrace.enable_compilation_cache()
 
     dataset = "8gaussians"
     key = jr.key(args.seed)

@@ -1,9 +1,28 @@
-"""Test configuration: float64 for numerical tests, strict rank promotion."""
+"""Test configuration: float64 for numerical tests, strict rank promotion, and the
+compiled programs of each test file released when the file is done."""
+
+import gc
+import os
 
 import jax
+import pytest
+
+import cnftrace
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The persistent compilation cache, shared by the workers and by the processes the
+# tests start (the command line, the scripts): a program that two test files compile
+# alike is compiled once, and a second run of the suite loads most of them. Kept in
+# .pytest_cache/ unless JAX_COMPILATION_CACHE_DIR names another directory;
+# CNFTRACE_COMPILATION_CACHE=0 turns it off.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CACHE = cnftrace.enable_compilation_cache(
+    os.path.join(_ROOT, ".pytest_cache", "jax-compilation")
+)
+if _CACHE is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 
 
 # The files that take longest (mostly XLA compiling), first: pytest-xdist's
@@ -27,3 +46,16 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test file. Every loaded XLA:CPU
+    executable keeps a few hundred memory maps (about 200 for a flow's `log_prob`,
+    500 for its gradient), so a worker that runs the whole suite in one process
+    reaches the kernel's `vm.max_map_count` (65,530) and XLA crashes with a
+    segmentation fault in its next compile; the executables also held each worker
+    above 5 GB of resident memory. A file's programs are rarely reused by another."""
+    yield
+    jax.clear_caches()
+    gc.collect()

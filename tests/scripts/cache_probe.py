@@ -1,0 +1,54 @@
+"""One training step and one chunked evaluation of a tiny flow, in a process of its
+own, with the compilation cache on (`enable_compilation_cache(argv[1])`). Prints
+one JSON line: the programs JAX compiled and those it loaded from the cache."""
+
+import json
+import logging
+import re
+import sys
+
+import jax
+import jax.random as jr
+
+import cnftrace
+
+
+class _Programs(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.loaded, self.missed = [], []
+
+    def emit(self, record):
+        message = record.getMessage()
+        name = re.search(r"for '([^']+)'", message)
+        if name and message.startswith("Persistent compilation cache hit"):
+            self.loaded.append(name.group(1))
+        elif name and message.startswith("PERSISTENT COMPILATION CACHE MISS"):
+            self.missed.append(name.group(1))
+
+
+programs = _Programs()
+logger = logging.getLogger("jax._src.compiler")
+logger.setLevel(logging.DEBUG)
+logger.addHandler(programs)
+
+directory = cnftrace.enable_compilation_cache(sys.argv[1])
+flow = cnftrace.CNF(cnftrace.MLPField(2, width=4, depth=1, key=jr.key(0)), 2)
+# A data function: its batches are checked in the step, by a flag, not a callback.
+trainer = cnftrace.Trainer(
+    lambda k, n: jr.normal(k, (n, 2)), key=jr.key(1), batch_size=8
+)
+state, info = trainer.step(trainer.init(flow))
+trainer.check(state)
+logp = cnftrace.log_prob_batched(state.flow, jr.normal(jr.key(2), (6, 2)), batch_size=6)
+print(
+    json.dumps(
+        {
+            "directory": directory,
+            "cache_dir": jax.config.jax_compilation_cache_dir,
+            "loaded": programs.loaded,
+            "missed": programs.missed,
+            "finite": bool(abs(logp).max() < 1e6),
+        }
+    )
+)
