@@ -64,8 +64,9 @@ def _column(j: int, names) -> str:
     return f"column {j} ({names[j]!r})" if names else f"column {j}"
 
 
-def _read_text(path: str, delimiter: str):
-    """`(data, names, line_of_row)` of a delimited text file."""
+def _read_text(path: str, delimiter: str, columns):
+    """`(data, names, line_of_row)` of the picked columns of a delimited text file
+    (the others are not read, so they may hold text)."""
     with open(path, newline="") as f:
         text = f.read()
     lines = [
@@ -85,7 +86,13 @@ def _read_text(path: str, delimiter: str):
                 f"{path} holds a header line but no rows of numbers under it."
             )
     width = len(first)
-    data = np.empty((len(lines), width))
+    if names is not None and len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(
+            f"{path}: the header names the column {twice!r} twice; rename one."
+        )
+    picked = _resolve(path, columns, names, width)
+    data = np.empty((len(lines), len(picked)))
     for r, (line, row) in enumerate(lines):
         fields = [field.strip() for field in row]
         if names is not None and tuple(fields) == names:
@@ -100,9 +107,10 @@ def _read_text(path: str, delimiter: str):
                 f"{path}, line {line} has {len(fields)} fields where {what} has "
                 f"{width}; every row needs one number per column."
             )
-        for j, field in enumerate(fields):
+        for k, j in enumerate(picked):
+            field = fields[j]
             try:
-                data[r, j] = float(field)
+                data[r, k] = float(field)
             except ValueError:
                 if not field:
                     problem = "is empty"
@@ -115,11 +123,8 @@ def _read_text(path: str, delimiter: str):
                     f"{path}, line {line} (row {r}), {_column(j, names)} {problem}; "
                     f"{fix}."
                 ) from None
-    if names is not None and len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise ValueError(
-            f"{path}: the header names the column {twice!r} twice; rename one."
-        )
+    if names is not None:
+        names = tuple(names[j] for j in picked)
     return data, names, [line for line, _ in lines]
 
 
@@ -172,7 +177,7 @@ def _read_npy(path: str, array: str | None):
     return _from_array(path, x, f"[{array!r}]"), None
 
 
-def _read_parquet(path: str):
+def _read_parquet(path: str, columns):
     try:
         import pandas as pd
 
@@ -183,8 +188,10 @@ def _read_parquet(path: str):
             "`pip install pandas pyarrow`, or save the table as .csv or .npy."
         ) from None
     names = tuple(str(c) for c in frame.columns)
-    for j, name in enumerate(frame.columns):
-        column = frame[name]
+    picked = _resolve(path, columns, names, frame.shape[1])
+    frame, names = frame.iloc[:, picked], tuple(names[j] for j in picked)
+    for j in range(frame.shape[1]):
+        column = frame.iloc[:, j]
         if column.dtype.kind not in "fiu":
             values = pd.to_numeric(column, errors="coerce")
             bad = np.flatnonzero(values.isna() & column.notna())
@@ -199,10 +206,11 @@ def _read_parquet(path: str):
     return frame.to_numpy(dtype=np.float64), names
 
 
-def _select(path, data, names, columns):
-    """The columns picked by `columns` (names or 0-based positions)."""
+def _resolve(path, columns, names, width) -> list[int]:
+    """The 0-based positions of the columns picked by `columns` (header names or
+    positions); all of them for `None`."""
     if columns is None:
-        return data, names
+        return list(range(width))
     picked = []
     for c in columns:
         if names is not None and str(c) in names:
@@ -216,15 +224,17 @@ def _select(path, data, names, columns):
                 f"{path} has no column named {c!r}; {known}. Pick columns by name or "
                 "by 0-based position."
             ) from None
-        if not 0 <= j < data.shape[1]:
+        if not 0 <= j < width:
             raise ValueError(
-                f"{path} has {data.shape[1]} columns (positions 0 to "
-                f"{data.shape[1] - 1}); column {j} does not exist."
+                f"{path} has {width} columns (positions 0 to {width - 1}); column "
+                f"{j} does not exist."
             )
         picked.append(j)
     if len(set(picked)) != len(picked):
         raise ValueError(f"the columns {list(columns)} pick one column twice.")
-    return data[:, picked], (None if names is None else tuple(names[j] for j in picked))
+    if not picked:
+        raise ValueError("`columns` is empty; pick at least one column.")
+    return picked
 
 
 def _check_finite(path, data, names, lines):
@@ -255,12 +265,12 @@ def _read_one(path: str, columns, array):
         raise ValueError(f"`array` names an array of a .npz file; {path} is {ext}.")
     lines = None
     if ext in _DELIMITERS:
-        data, names, lines = _read_text(path, _DELIMITERS[ext])
+        data, names, lines = _read_text(path, _DELIMITERS[ext], columns)
     elif ext == ".parquet":
-        data, names = _read_parquet(path)
+        data, names = _read_parquet(path, columns)
     else:
         data, names = _read_npy(path, array)
-    data, names = _select(path, data, names, columns)
+        data = data[:, _resolve(path, columns, None, data.shape[1])]
     _check_finite(path, data, names, lines)
     return data, names
 
