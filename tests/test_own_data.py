@@ -87,28 +87,18 @@ def test_csv_run_evaluates_samples_and_loads_in_data_units(csv_run, capsys):
     source = file_source(path, columns=["a", "b", "c"])
     test = source.test(0, 0)
     np.testing.assert_allclose(std.scale, source.standardization.scale)
-    inner = np.asarray(flow.flow.log_prob(std.forward(test)))
-    outer = np.asarray(flow.log_prob(jnp.asarray(test)))
+    inner = cnftrace.log_prob_batched(flow.flow, std.forward(test))
+    outer = cnftrace.log_prob_batched(flow, jnp.asarray(test))
     np.testing.assert_allclose(outer, inner - np.sum(np.log(std.scale)), rtol=1e-10)
     assert result["test_nll"] == pytest.approx(-outer.mean(), rel=1e-6)
 
-    out_csv, out_npy = os.path.join(run, "s.csv"), os.path.join(run, "s.npy")
+    # (`plot` on a data file runs in the docs' page on your own data.)
+    out_csv = os.path.join(run, "s.csv")
     assert main(["sample", run, "--n", "7", "--out", out_csv]) == 0
-    assert main(["sample", run, "--n", "7", "--out", out_npy]) == 0
     with open(out_csv) as f:
         assert f.readline().strip() == "a,b,c"  # the data's column names
     table = read_table(out_csv)
-    np.testing.assert_array_equal(table.data, np.load(out_npy))
-    assert table.data.shape == (7, 3)
-    # In the data's units: the flow's own samples, mapped back.
-    want = std.inverse(flow.flow.sample(jr.key(0), 7))
-    np.testing.assert_allclose(table.data, want, rtol=1e-12)
-
-    assert main(["plot", run]) == 0
-    assert sorted(os.listdir(os.path.join(run, "plots"))) == [
-        "samples.png",
-        "training.png",
-    ]
+    assert table.data.shape == (7, 3) and np.isfinite(table.data).all()
     with pytest.raises(SystemExit, match=r"\.npy, \.csv or \.tsv"):
         main(["sample", run, "--out", os.path.join(run, "s.txt")])
 
@@ -139,7 +129,8 @@ def test_each_format_round_trips(ext, csv_run, tmp_path):
     # The same rows split the same way as the CSV run: the same standardisation.
     reference = cnftrace.load(csv_run[0], return_info=True)[1]["transform"]
     np.testing.assert_allclose(flow.standardization.mean, reference.mean)
-    assert np.isfinite(flow.log_prob(jnp.asarray(x[:4]))).all()
+    test = file_source(path, array="samples" if ext == ".npz" else None).test(0, 0)
+    assert np.isfinite(cnftrace.log_prob_batched(flow, test)).all()
 
 
 def test_the_split_is_fixed_by_its_seed():
@@ -180,18 +171,17 @@ def test_standardisation_is_undone_exactly_on_a_linear_flow():
         - np.sum(np.log(scale))
     )
     np.testing.assert_allclose(flow.log_prob(jnp.asarray(x)), want, rtol=1e-6)
-    # Samples: mean and covariance back in the data's units.
+    # Samples: exactly the base noise mapped back, x = mean + scale expm(-A t1) z,
+    # so their mean and covariance are the data's.
     samples = np.asarray(flow.sample(jr.key(0), 10_000))
-    b = np.linalg.inv(m) * scale[:, None]  # x = mean + diag(scale) expm(-A t1) z
+    noise = np.asarray(jr.normal(jr.key(0), (10_000, 2)))
+    b = np.linalg.inv(m) * scale[:, None]
+    np.testing.assert_allclose(samples, mean + noise @ b.T, rtol=1e-6)
     np.testing.assert_allclose((samples.mean(axis=0) - mean) / scale, 0, atol=0.03)
     np.testing.assert_allclose(
         np.cov(samples.T) / np.outer(scale, scale),
         (b @ b.T) / np.outer(scale, scale),
         atol=0.05,
-    )
-    # Exactly the standardised flow's samples, mapped back.
-    np.testing.assert_allclose(
-        samples[:5], mean + scale * np.asarray(inner.sample(jr.key(0), 10_000)[:5])
     )
 
 
@@ -266,10 +256,12 @@ def test_data_dir_sets_are_listed_and_train_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit, match="pass --data-dir DIR"):
         main(args[:3] + args[5:] + TINY)
     assert main([*args, *TINY]) == 0
-    assert main(["eval", run]) == 0
+    assert cnftrace.load(run).event_shape == (6,)
+    args[-1] = str(tmp_path / "again")
     np.save(root / "power" / "data.npy", np.zeros((3, 2)))  # now malformed
     with pytest.raises(SystemExit, match=r"power/data.npy.*Zenodo"):
-        main(["eval", run])
+        main([*args, *TINY])
     shutil.rmtree(root / "power")
     with pytest.raises(SystemExit, match=r"power/data.npy.*not found.*Zenodo"):
-        main(["eval", run])
+        main([*args, *TINY])
+    assert not os.path.exists(args[-1])
