@@ -189,8 +189,9 @@ def plot_samples(
         ```python
         import cnftrace.plot
 
-        data = jr.normal(jr.key(0), (500, 3)) * jnp.array([1.0, 10.0, 100.0])
-        samples = jr.normal(jr.key(1), (500, 3)) * jnp.array([1.0, 10.0, 100.0])
+        scale = jnp.array([[1.0, 10.0, 100.0]])
+        data = jr.normal(jr.key(0), (500, 3)) * scale
+        samples = jr.normal(jr.key(1), (500, 3)) * scale
         cnftrace.plot.plot_samples(data, samples, "pairs.png", names=["a", "b", "c"])
         ```
     """
