@@ -56,6 +56,10 @@ from ._objectives import (
 from ._parallel import data_mesh as data_mesh
 from ._runs import load as load, save as save
 from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
+from ._standardized import (
+    Standardization as Standardization,
+    StandardizedFlow as StandardizedFlow,
+)
 from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
 from ._trace import trace as trace
 from ._train import Checkpoints as Checkpoints, Validation as Validation, fit as fit

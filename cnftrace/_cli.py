@@ -2,7 +2,8 @@
 
 Each training run lives in its own directory:
 
-    RUN_DIR/config.json       the settings (the model is rebuilt from them)
+    RUN_DIR/config.json       the settings (the model is rebuilt from them; for a
+                              data file, its SHA-256, split and standardisation)
     RUN_DIR/metrics.jsonl     one JSON record per logged step
     RUN_DIR/checkpoints/      the newest checkpoints (model, optimiser, step, key)
     RUN_DIR/plots/            pictures written by `cnftrace plot` (and after training)
@@ -34,7 +35,14 @@ from ._cli_checks import (
     check_model_fits_in_memory,
     check_run_dir,
 )
-from ._cli_data import score_report
+from ._cli_data import (
+    changed_files,
+    list_datasets,
+    run_source,
+    score_report,
+    training_source,
+    write_samples,
+)
 from ._evaluate import evaluate_nll
 from ._flow import AbstractFlow
 from ._lock import DirectoryLock
@@ -49,15 +57,7 @@ from ._runs import (
 )
 from ._train import Checkpoints, Validation, fit
 from ._trainer import TrainingError
-from .datasets import (
-    ALL_DATASETS,
-    TOY_DATASETS,
-    DataSource,
-    data_source,
-    digits_from_logit,
-    toy_entropy,
-    toy_entropy_is_exact,
-)
+from .datasets import ALL_DATASETS, DataSource, digits_from_logit, toy_entropy
 
 # Default length and batch size of training, per data set where the general default
 # falls short. checkerboard's sharp edges need more and less noisy steps.
@@ -65,10 +65,14 @@ _RECIPES = {
     None: {"steps": 2400, "batch_size": 128},
     "checkerboard": {"steps": 8000, "batch_size": 256},
 }
+_BUILT_IN = set(ALL_DATASETS)
 
 
-def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
-    """A trained run (by `cnftrace.load`) with its config, step and data source."""
+def _load_run(
+    run_dir: str, need_data: bool = True
+) -> tuple[dict, AbstractFlow, int, DataSource | None]:
+    """A trained run (by `cnftrace.load`) with its config, step and data source (for
+    a run on a data file, `None` unless `need_data`: sampling needs no data)."""
     if not os.path.isdir(run_dir):
         raise CheckpointError(
             f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
@@ -80,22 +84,35 @@ def _load_run(run_dir: str) -> tuple[dict, AbstractFlow, int, DataSource]:
     for w in caught:  # skipped checkpoints, say: one line each
         print(f"cnftrace: {w.message}", file=sys.stderr)
     config = info["config"]
-    return config, flow, info["step"], data_source(config["data"])
+    source = None
+    if need_data or config.get("data_file") is None:
+        source = run_source(config)
+    return config, flow, info["step"], source
 
 
 def cmd_datasets(args) -> int:
-    print(f"{'name':<14}{'entropy (nats)':>16}  kind")
-    for name in TOY_DATASETS:
-        kind = "exact" if toy_entropy_is_exact(name) else "numerical estimate"
-        print(f"{name:<14}{toy_entropy(name):>16.4f}  {kind}")
+    rows = [("name", "dim", "size", "entropy", "what")]
+    rows += list_datasets(args.data_dir)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(w) for cell, w in zip(row[1:4], widths[1:])]
+        print("  ".join(cells + [row[4]]))
     return 0
 
 
 def apply_recipe(args) -> None:
-    """Fills the training settings left unset (`None`) with the data set's defaults."""
-    for name, value in _RECIPES.get(args.data, _RECIPES[None]).items():
+    """Fills the training settings left unset (`None`) with the data set's defaults:
+    early stopping (after 10 validations without improvement) for a data file and
+    the sets of `--data-dir`; none, as always, for the other built-in sets."""
+    recipe = _RECIPES.get(args.data if isinstance(args.data, str) else None)
+    for name, value in (recipe or _RECIPES[None]).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.patience is None and not (
+        isinstance(args.data, str) and args.data in _BUILT_IN
+    ):
+        args.patience = 10
 
 
 def _parse_tolerance(value: str) -> float | None:
@@ -179,6 +196,14 @@ def _write_config(run_dir: str, config: dict) -> None:
     path = os.path.join(run_dir, "config.json")
     if os.path.lexists(path):
         old = read_config(path)
+        changed = changed_files(old, config)
+        if changed:
+            raise UsageError(
+                f"{run_dir} was trained on a data file that has changed since: "
+                + "; ".join(changed)
+                + ". Resuming would train on other data: restore the file, or "
+                "train on it in a new --run-dir."
+            )
         diffs = [k for k in MODEL_KEYS if not same_value(old.get(k), config[k])]
         if diffs:
             raise UsageError(
@@ -217,8 +242,9 @@ def cmd_train(args) -> int:
         args.activation = DEFAULT_ACTIVATION[args.field]
     check_run_dir(args.run_dir)
     mesh = _training_mesh(args)
-    config = {k: getattr(args, k) for k in MODEL_KEYS}
-    source = data_source(args.data)
+    # Every data file is read and checked here, before anything is written.
+    source, data_config = training_source(args)
+    config = {k: getattr(args, k, None) for k in MODEL_KEYS} | data_config
     check_fits_in_memory("--batch-size", args.batch_size, source.dim)
     check_model_fits_in_memory(args)
     key = jr.key(args.seed)
@@ -237,7 +263,9 @@ def cmd_train(args) -> int:
     with lock:
         _write_config(args.run_dir, config)
         history = _train(args, config, source, flow, settings)
-    print(f"trained {args.steps} steps; final loss {history['loss'][-1]:.4f}")
+    done = history["step"][-1] if history["step"] else args.steps
+    stopped = "" if done >= args.steps else f" (stopped early, of {args.steps})"
+    print(f"trained {done} steps{stopped}; final loss {history['loss'][-1]:.4f}")
     return 0
 
 
@@ -261,7 +289,11 @@ def _train(args, config, source, flow, settings) -> dict:
 
     validation = None
     if source.validation is not None:
-        validation = Validation(source.validation, every=args.checkpoint_every)
+        validation = Validation(
+            source.validation,
+            every=args.checkpoint_every,
+            patience=args.patience or None,
+        )
     try:
         _, history = fit(
             flow,
@@ -288,6 +320,7 @@ def cmd_eval(args) -> int:
     check_fits_in_memory("--n", args.n, source.dim)
     test = source.test(args.seed, args.n)
     nll = evaluate_nll(flow, test)
+    shown = config["data"] if isinstance(config["data"], str) else config["data"][0]
     result = {
         "step": step,
         "data": config["data"],
@@ -297,8 +330,10 @@ def cmd_eval(args) -> int:
         "n": int(test.shape[0]),
         **score_report(source, nll.mean, args.seed, args.n),
     }
+    if source.kind == "file":
+        result["units"] = "data"  # log_prob in the file's own units, scaling included
     line = (
-        f"{config['data']} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
+        f"{shown} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
         f"nats (exact trace, n={result['n']})"
     )
     if "entropy" in result:
@@ -319,15 +354,15 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    _, flow, _, source = _load_run(args.run_dir)
-    check_fits_in_memory("--n", args.n, source.dim)
-    x = np.asarray(flow.sample(jr.key(args.seed), args.n))
-    if source.kind == "images":
-        x = digits_from_logit(x).reshape(args.n, 8, 8)  # pixel intensities in [0, 1]
+    config, flow, _, source = _load_run(args.run_dir, need_data=False)
+    check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
+    x = np.asarray(flow.sample(jr.key(args.seed), args.n))  # in the data's units
+    if source is not None and source.kind == "images":
+        # Pixel intensities in [0, 1].
+        x = digits_from_logit(x).reshape(args.n, *source.image_shape)
     out = args.out or os.path.join(args.run_dir, "samples.npy")
-    tmp = out + ".tmp.npy"
-    np.save(tmp, x)
-    os.replace(tmp, out)
+    names = (config.get("data_file") or {}).get("names")
+    write_samples(out, x, names)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
 
@@ -340,7 +375,12 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot_flow_2d, plot_image_grid, plot_training_curves
+    from .plot import (
+        plot_flow_2d,
+        plot_image_grid,
+        plot_samples,
+        plot_training_curves,
+    )
 
     config, flow, step, source = _load_run(args.run_dir)
     plots = os.path.join(args.run_dir, "plots")
@@ -361,9 +401,22 @@ def cmd_plot(args) -> int:
         samples = np.asarray(flow.sample(jr.key(args.seed + 1), 64))
         paths.append(
             plot_image_grid(
-                digits_from_logit(samples).reshape(64, 8, 8),
+                digits_from_logit(samples).reshape(64, *source.image_shape),
                 os.path.join(plots, "samples.png"),
                 title=f"{config['data']} samples, step {step}",
+            )
+        )
+    else:  # a table: the test rows beside as many samples, pair by pair
+        data = source.test(args.seed, 0)
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), data.shape[0]))
+        names = (config.get("data_file") or {}).get("names")
+        paths.append(
+            plot_samples(
+                data,
+                samples,
+                os.path.join(plots, "samples.png"),
+                names=names,
+                title=f"test rows and samples, step {step}",
             )
         )
     records = read_metrics(args.run_dir)
@@ -402,6 +455,13 @@ class _Parser(argparse.ArgumentParser):
         raise _Exit(message, 2)
 
 
+class _DataAction(argparse.Action):
+    """`--data`: one name or file is kept as a string, several files as a list."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cnftrace",
@@ -418,14 +478,62 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_parser = lambda *a, **k: sub.add_parser(*a, parents=[debug], **k)  # noqa: E731
 
-    p = add_parser("train", help="train a flow (toy 2-D, tabular or digits)")
+    p = add_parser("train", help="train a flow (a built-in data set or your file)")
     p.add_argument(
         "--data",
         "--dataset",
         dest="data",
         default="8gaussians",
-        choices=ALL_DATASETS,
-        help="a toy 2-D set, a scikit-learn tabular set, or the 8x8 digits",
+        nargs="+",
+        action=_DataAction,
+        metavar="NAME|FILE",
+        help="a built-in data set (`cnftrace datasets` lists them), or one or more "
+        "files of samples (.csv, .tsv, .npy, .npz, .parquet; several are stacked)",
+    )
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and "
+        "MNIST's files are",
+    )
+    p.add_argument(
+        "--columns",
+        metavar="A,B,...",
+        help="the columns of a data file to train on, by header name or 0-based "
+        "position (default: all)",
+    )
+    p.add_argument("--array", metavar="NAME", help="the array of a .npz file")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of a data file's rows held out for validation (0: none)",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.1,
+        help="share of a data file's rows held out for `cnftrace eval`",
+    )
+    p.add_argument(
+        "--split-seed",
+        type=int,
+        default=0,
+        help="picks a data file's train/validation/test split",
+    )
+    p.add_argument(
+        "--no-standardize",
+        action="store_true",
+        help="train on a data file's values as they are (by default each column is "
+        "standardised by its training mean and standard deviation, and `eval`, "
+        "`sample` and `cnftrace.load` undo it)",
+    )
+    p.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        help="stop after this many validations without improvement (0: never; "
+        "default 10 for a data file and the --data-dir sets, never for the others)",
     )
     p.add_argument("--run-dir", required=True, help="directory of this run")
     p.add_argument(
@@ -539,11 +647,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=12345, help="seed of the test set")
     p.set_defaults(func=cmd_eval)
 
-    p = add_parser("sample", help="draw samples from a trained run (.npy)")
+    p = add_parser("sample", help="draw samples from a trained run (.npy or .csv)")
     p.add_argument("run_dir")
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="output .npy file (default RUN_DIR/samples.npy)")
+    p.add_argument(
+        "--out",
+        help="output file, .npy, .csv or .tsv by its extension (default "
+        "RUN_DIR/samples.npy); samples are in the data's units",
+    )
     p.set_defaults(func=cmd_sample)
 
     p = add_parser("plot", help="density, samples and training curves (PNG)")
@@ -551,7 +663,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plot)
 
-    p = add_parser("datasets", help="list the toy data sets and their entropies")
+    p = add_parser("datasets", help="list the data sets, with --data-dir those there")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="also list MAF's UCI sets and MNIST, found (or not) in DIR",
+    )
     p.set_defaults(func=cmd_datasets)
     return parser
 

@@ -71,13 +71,44 @@ def check_args(args) -> None:
     sigma = getattr(args, "fm_sigma", None)
     if sigma is not None and not 0 <= sigma < 1:
         raise UsageError(f"--fm-sigma must be in [0, 1); got {sigma}.")
+    _check_data_options(args)
     out = getattr(args, "out", None)
     if out:
+        ext = os.path.splitext(out)[1].lower()
+        if ext not in (".npy", ".csv", ".tsv"):
+            raise UsageError(
+                f"--out {out}: write samples to a file ending in .npy, .csv or .tsv."
+            )
         parent = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(parent):
             raise UsageError(f"--out {out}: the directory {parent} does not exist.")
         if os.path.isdir(out):
             raise UsageError(f"--out {out} is a directory; give a file name (.npy).")
+
+
+def _check_data_options(args) -> None:
+    val, test = getattr(args, "val_fraction", None), getattr(args, "test_fraction", 0)
+    if val is None:
+        return
+    if not (math.isfinite(val) and 0 <= val < 1):
+        raise UsageError(f"--val-fraction must be in [0, 1); got {val}.")
+    if not (math.isfinite(test) and 0 < test < 1):
+        raise UsageError(f"--test-fraction must be in (0, 1); got {test}.")
+    if val + test >= 1:
+        raise UsageError(
+            f"--val-fraction {val} and --test-fraction {test} leave no rows to train "
+            "on; make them add up to less than 1."
+        )
+    if args.patience is not None and args.patience < 0:
+        raise UsageError("--patience must be 0 (never stop early) or more.")
+    from_file = not isinstance(args.data, str) or os.path.splitext(args.data)[1]
+    if not from_file:
+        for flag in ("columns", "array"):
+            if getattr(args, flag) is not None:
+                raise UsageError(
+                    f"--{flag} picks from a data file; --data {args.data} is a "
+                    "built-in data set."
+                )
 
 
 def check_run_dir(path: str) -> None:

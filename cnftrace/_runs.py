@@ -15,6 +15,7 @@ from typing import Any
 
 import equinox as eqx
 import jax.random as jr
+import numpy as np
 
 from ._builders import mlp_flow, warmup_cosine_adam
 from ._checkpoint import (
@@ -30,6 +31,7 @@ from ._estimators import AbstractEstimator, Exact, Hutchinson
 from ._flow import AbstractFlow
 from ._matching import FlowMatching
 from ._objectives import AbstractObjective, MaximumLikelihood
+from ._standardized import Standardization, StandardizedFlow
 
 # Settings that define the model and the optimisation; a checkpoint written under other
 # values of these is refused on resume.
@@ -37,7 +39,7 @@ MODEL_KEYS = (
     "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
     "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
     "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma", "field",
-    "train_tol",
+    "train_tol", "data_file", "data_dir", "patience",
 )  # fmt: skip
 # Values of settings added after a run's config may have been written.
 LATER_KEYS = {
@@ -50,6 +52,10 @@ LATER_KEYS = {
     # field at the flow's own tolerance.
     "field": "concatsquash",
     "train_tol": None,
+    # Runs on built-in data sets: no file, no directory, no early stopping.
+    "data_file": None,
+    "data_dir": None,
+    "patience": None,
 }
 
 
@@ -98,6 +104,17 @@ def run_flow(config: dict, key, dim: int) -> AbstractFlow:
         solver=config["solver"],
         rtol=config["rtol"],
         atol=config["atol"],
+    )
+
+
+def run_standardization(config: dict) -> Standardization | None:
+    """The standardisation a run on a data file trained under, or `None`."""
+    data_file = config.get("data_file") or {}
+    if data_file.get("mean") is None:
+        return None
+    return Standardization(
+        np.asarray(data_file["mean"], np.float64),
+        np.asarray(data_file["scale"], np.float64),
     )
 
 
@@ -158,8 +175,8 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
         those with the best validation NLL where the run validated.
     - `like`: for a file, a flow of the same architecture to load into (its values
         do not matter).
-    - `return_info`: also return a dict with the run's `config` and the
-        checkpoint's `step` (`None` for a file).
+    - `return_info`: also return a dict with the run's `config`, the
+        checkpoint's `step` and the data `transform` (all `None` for a file).
 
     **Returns:**
 
@@ -168,7 +185,12 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
     [`CheckpointError`][cnftrace.CheckpointError].
 
     A run trained on the command line (`cnftrace train --run-dir runs/8g`) opens in
-    one line: `flow = cnftrace.load("runs/8g")`.
+    one line: `flow = cnftrace.load("runs/8g")`. A run on a data file that was
+    standardised (`cnftrace train --data points.csv`, the default) comes back as a
+    [`StandardizedFlow`][cnftrace.StandardizedFlow], so that `log_prob` and
+    `sample` work in the data's own units; `info["transform"]` is its
+    [`Standardization`][cnftrace.Standardization] (`None` where the run trained on
+    the data as it is).
 
     !!! example
 
@@ -183,7 +205,8 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
     if os.path.isdir(path):
         flow, info = _load_run(path)
     else:
-        flow, info = _load_file(path, like), {"config": None, "step": None}
+        flow = _load_file(path, like)
+        info = {"config": None, "step": None, "transform": None}
     return (flow, info) if return_info else flow
 
 
@@ -240,4 +263,8 @@ def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
     if found is None:
         raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
     step, (_, _, _, best), _ = found  # the best (or, untracked, the last)
-    return eqx.combine(best, static), {"config": config, "step": step}
+    flow = eqx.combine(best, static)
+    transform = run_standardization(config)
+    if transform is not None:
+        flow = StandardizedFlow(flow, transform)
+    return flow, {"config": config, "step": step, "transform": transform}

@@ -1,5 +1,6 @@
 """Pictures of flows (needs matplotlib, the `plot` extra): the learned density of a
-2-D flow beside its data and samples, training curves, and grids of images.
+2-D flow beside its data and samples, data and samples of a table side by side,
+training curves, and grids of images.
 
 Every function writes a PNG atomically (a killed run leaves no half-written file) and
 returns its path.
@@ -138,6 +139,91 @@ def plot_flow_2d(
         ax.set_yticks([])
     if title:
         fig.suptitle(title)
+    _atomic_savefig(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "plotting needs matplotlib: `pip install 'cnftrace[plot]'`."
+        ) from e
+    return plt
+
+
+def plot_samples(
+    data: np.ndarray,
+    samples: np.ndarray,
+    path: str,
+    *,
+    names: list[str] | None = None,
+    max_columns: int = 4,
+    title: str | None = None,
+) -> str:
+    """Saves a grid that compares samples of a flow with the data, column by column,
+    in the data's units: a histogram of each column on the diagonal (data and
+    samples overlaid), the data below the diagonal and the samples above it, for
+    each pair of the first `max_columns` columns.
+
+    **Arguments:**
+
+    - `data`: the data, shape `(n, dim)`.
+    - `samples`: samples of the flow, shape `(m, dim)`.
+    - `path`: the PNG file to write.
+    - `names`: the columns' names, for the axes.
+    - `max_columns`: how many of the first columns to show.
+    - `title`: an optional title above the grid.
+
+    **Returns:**
+
+    `path`.
+
+    !!! example
+
+        ```python
+        import cnftrace.plot
+
+        scale = jnp.array([[1.0, 10.0, 100.0]])
+        data = jr.normal(jr.key(0), (500, 3)) * scale
+        samples = jr.normal(jr.key(1), (500, 3)) * scale
+        cnftrace.plot.plot_samples(data, samples, "pairs.png", names=["a", "b", "c"])
+        ```
+    """
+    data, samples = np.asarray(data), np.asarray(samples)
+    if data.ndim != 2 or samples.ndim != 2 or data.shape[1] != samples.shape[1]:
+        raise ValueError(
+            "`data` and `samples` must be tables (n, dim) with the same columns; got "
+            f"shapes {data.shape} and {samples.shape}."
+        )
+    plt = _pyplot()
+    k = min(data.shape[1], max_columns)
+    names = list(names) if names is not None else [f"column {j}" for j in range(k)]
+    fig, axes = plt.subplots(k, k, figsize=(2.6 * k, 2.6 * k), squeeze=False)
+    for i in range(k):
+        for j in range(k):
+            ax = axes[i, j]
+            if i == j:
+                bins = np.histogram_bin_edges(data[:, i], bins=30)
+                ax.hist(data[:, i], bins=bins, density=True, alpha=0.5, label="data")
+                ax.hist(
+                    samples[:, i], bins=bins, density=True, alpha=0.5, label="samples"
+                )
+            else:
+                points = data if i > j else samples
+                color = "C0" if i > j else "C1"
+                ax.scatter(points[:, j], points[:, i], s=3, alpha=0.5, c=color)
+            if i == k - 1:
+                ax.set_xlabel(names[j])
+            if j == 0:
+                ax.set_ylabel(names[i])
+    axes[0, 0].legend(fontsize="small")
+    fig.suptitle(title or "data (below the diagonal) and samples (above)")
     _atomic_savefig(fig, path)
     plt.close(fig)
     return path

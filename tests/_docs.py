@@ -5,6 +5,7 @@ import glob
 import inspect
 import os
 import re
+import shlex
 import textwrap
 
 import cnftrace
@@ -14,6 +15,9 @@ import cnftrace.plot
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 NOT_RUN = "# not run"
+# A page with this line has its ```bash blocks run too, in page order with its
+# ```python blocks: each line a `cnftrace ...` command (see `shell_commands`).
+RUN_SHELL = "<!-- the tests run this page's shell blocks -->"
 MODULES = (cnftrace, cnftrace.datasets, cnftrace.plot)
 
 
@@ -26,6 +30,30 @@ def python_blocks(text: str) -> list[str]:
     """The ```python blocks of a page or docstring, dedented."""
     blocks = re.findall(r"^([ \t]*)```python\n(.*?)^\1```", text, flags=re.S | re.M)
     return [textwrap.dedent(body) for _, body in blocks]
+
+
+def page_blocks(text: str) -> list[tuple[str, str]]:
+    """`(language, body)` of the ```python and ```bash blocks of a page, in order,
+    dedented; the bash blocks only where the page carries `RUN_SHELL`."""
+    languages = "python|bash" if RUN_SHELL in text else "python"
+    blocks = re.findall(
+        rf"^([ \t]*)```({languages})\n(.*?)^\1```", text, flags=re.S | re.M
+    )
+    return [(lang, textwrap.dedent(body)) for _, lang, body in blocks]
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """The arguments of each `cnftrace` command of a bash block (comments dropped).
+    Any other command is an error: a page must not show commands the tests skip."""
+    commands = []
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] != "cnftrace":
+            raise ValueError(f"only `cnftrace` commands are run; got {line!r}.")
+        commands.append(words[1:])
+    return commands
 
 
 def runs(block: str) -> bool:

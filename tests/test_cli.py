@@ -62,11 +62,13 @@ def test_train_eval_sample_plot(tmp_path, capsys):
         main(["train", "--run-dir", run, *TINY[:2], "--width", "16", *TINY[4:]])
 
 
-def test_datasets_lists_all_eight(capsys):
+def test_datasets_lists_every_built_in_set(capsys):
     assert main(["datasets"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 9
+    assert len(lines) == 1 + 8 + 3 + 1  # a header, toy, scikit-learn, digits
     assert any(line.startswith("checkerboard") and "3.4657" in line for line in lines)
+    wine = next(line.split() for line in lines if line.startswith("wine"))
+    assert wine[1:3] == ["13", "178"]  # dimension and rows
 
 
 def test_not_a_run_directory(tmp_path):
@@ -133,7 +135,7 @@ def test_tabular_and_digits_runs(tmp_path, capsys):
             assert result["n"] == load_tabular("wine").test.shape[0] == 26
             assert "gaussian_baseline_nll" in result
             assert np.load(os.path.join(run, "samples.npy")).shape == (5, 13)
-            assert plots == ["training.png"]
+            assert plots == ["samples.png", "training.png"]  # test rows and samples
         else:
             assert 0 < result["gaussian_baseline_bits_per_dim"] < 10
             assert np.isfinite(result["bits_per_dim"])

@@ -7,7 +7,10 @@ Two kinds of examples are run:
   directory (so files an example writes land there). A block whose first line is a
   comment starting with `# not run` is shown to readers but skipped here; the rest
   of that comment says why (a cluster, a download, minutes of training). Keep the
-  others fast: seconds each, with small models and few steps.
+  others fast: seconds each, with small models and few steps. A page that carries
+  the line `<!-- the tests run this page's shell blocks -->` has its ```bash blocks
+  run too, in page order: each line a `cnftrace ...` command, run through the
+  command line's `main` in the same working directory.
 - **Docstrings.** Every ```python block in the docstring of a public name (and of
   the public methods of public classes) of `cnftrace`, `cnftrace.datasets` and
   `cnftrace.plot`, each in a fresh namespace that holds the imports listed on the
@@ -20,7 +23,9 @@ so that pytest-xdist runs the two halves on two workers).
 
 import jax
 import pytest
-from _docs import NOT_RUN, PAGES, python_blocks, read, runs
+from _docs import NOT_RUN, PAGES, page_blocks, read, runs, shell_commands
+
+from cnftrace._cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +44,20 @@ def test_pages_found():
 
 @pytest.mark.parametrize("page", PAGES)
 def test_page_examples_run(page, tmp_path, monkeypatch):
-    blocks = [b for b in python_blocks(read(page)) if runs(b)]
+    blocks = [(lang, b) for lang, b in page_blocks(read(page)) if runs(b)]
     if not blocks:
         pytest.skip(f"{page}: every example is marked `{NOT_RUN}`")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page}"}
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
+    for lang, block in blocks:
+        if lang == "bash":
+            for argv in shell_commands(block):
+                assert main(argv) == 0, f"docs/{page}: cnftrace {' '.join(argv)}"
+        else:
+            exec(compile(block, f"docs/{page}", "exec"), namespace)
+
+
+def test_shell_blocks_of_own_data_run():
+    """The page on your own data runs its commands, in page order."""
+    kinds = [lang for lang, b in page_blocks(read("own-data.md")) if runs(b)]
+    assert kinds.count("bash") == 2 and kinds[0] == "python"

@@ -1,6 +1,14 @@
 """Data sets: FFJORD's eight toy 2-D distributions, densities known exactly in any
-dimension, scikit-learn's bundled data."""
+dimension, scikit-learn's bundled data, MAF's UCI sets and MNIST from files you
+provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
+`.parquet`)."""
 
+from ._files import (
+    TABLE_FORMATS as TABLE_FORMATS,
+    Table as Table,
+    read_table as read_table,
+    split_table as split_table,
+)
 from ._known import (
     MARGINALS as MARGINALS,
     KnownDensity as KnownDensity,
@@ -24,10 +32,13 @@ from ._real import (
 )
 from ._sources import (
     ALL_DATASETS as ALL_DATASETS,
+    DIRECTORY_DATASETS as DIRECTORY_DATASETS,
     LOGIT_ALPHA as LOGIT_ALPHA,
+    MNIST_LEVELS as MNIST_LEVELS,
     DataSource as DataSource,
     data_source as data_source,
     digits_from_logit as digits_from_logit,
+    file_source as file_source,
     gaussian_baseline_nll as gaussian_baseline_nll,
 )
 from ._toy import (
@@ -46,11 +57,15 @@ from ._uci import (
 __all__ = [
     "ALL_DATASETS",
     "DIGIT_LEVELS",
+    "DIRECTORY_DATASETS",
     "LOGIT_ALPHA",
     "MARGINALS",
+    "MNIST_LEVELS",
     "DataSource",
     "KnownDensity",
+    "TABLE_FORMATS",
     "TABULAR_DATASETS",
+    "Table",
     "TOY_DATASETS",
     "UCI_DATASETS",
     "UCI_DIMS",
@@ -59,6 +74,7 @@ __all__ = [
     "data_source",
     "dequantize",
     "digits_from_logit",
+    "file_source",
     "gaussian_baseline_nll",
     "gaussian_mixture",
     "load_digits",
@@ -67,7 +83,9 @@ __all__ = [
     "load_uci",
     "logit_transform",
     "read_idx",
+    "read_table",
     "rotated_product",
+    "split_table",
     "toy_entropy",
     "toy_entropy_is_exact",
     "toy_log_prob",

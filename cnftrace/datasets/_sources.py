@@ -1,8 +1,11 @@
 """The data sets of the command line as training sources: toy 2-D sets, scikit-learn's
-tabular sets and the 8x8 digits (dequantised, in logit space), with the Gaussian
-baseline their test NLL is read against."""
+tabular sets, the 8x8 digits (dequantised, in logit space), MAF's UCI sets and MNIST
+from a directory, and a user's own files, with the Gaussian baseline their test NLL
+is read against."""
 
 import math
+import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,17 +13,27 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from .._standardized import Standardization
+from ._files import TABLE_FORMATS, Table, read_table, split_table
+from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
 from ._real import (
     DIGIT_LEVELS,
     TABULAR_DATASETS,
+    Splits,
     dequantize,
     load_digits,
     load_tabular,
     logit_transform,
 )
 from ._toy import TOY_DATASETS, toy_sample
+from ._uci import _SOURCE as _UCI_SOURCE, UCI_DATASETS, load_uci
 
 ALL_DATASETS = TOY_DATASETS + TABULAR_DATASETS + ("digits",)
+# The sets read from a directory the user provides (`data_dir`).
+DIRECTORY_DATASETS = UCI_DATASETS + ("mnist",)
+MNIST_LEVELS = 256
+_MNIST_VALIDATION = 10_000  # the last rows of MNIST's training file
+_MNIST_VALIDATION_USED = 1_000  # of which the first are validated on (exact trace)
 # The digits' logit transform: `logit(alpha + (1 - 2 alpha) x)`.
 LOGIT_ALPHA = 1e-6
 
@@ -31,10 +44,22 @@ class DataSource:
     [`data_source`][cnftrace.datasets.data_source] returns it.
 
     - `train`: `(key, n) -> batch` of fresh training samples (in model space).
-    - `validation`, `test`: fixed arrays in model space (`test(seed, n)` for toy data).
+    - `validation`: a fixed array in model space, or `None`.
+    - `test`: `test(seed, n)`, the test set in the units of the flow that
+        `cnftrace.load` returns for a run on this data: model space, except for a
+        standardised file, where it is the data's own units (the loaded flow is a
+        [`StandardizedFlow`][cnftrace.StandardizedFlow]).
     - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing (0 if
         none), so `NLL_x = NLL_y - mean(test_log_det)`.
-    - `reference`: the floor or baseline the test NLL is printed beside.
+    - `kind`: `"toy"`, `"tabular"`, `"images"` or `"file"`.
+    - `reference`: training samples in the units of `test`, which the
+        full-covariance Gaussian baseline is fitted to (tabular data and files).
+    - `image_shape`, `levels`: for images, the shape of one image and its number of
+        grey levels.
+    - `standardization`: for a file, the map from its units to model space, or
+        `None`.
+    - `table`: for a file, the [`Table`][cnftrace.datasets.Table] read (column
+        names, paths, SHA-256 of each file).
     """
 
     name: str
@@ -43,7 +68,12 @@ class DataSource:
     validation: np.ndarray | None
     test: Callable[[int, int], np.ndarray]
     test_log_det: Callable[[int, int], np.ndarray]
-    kind: str  # "toy", "tabular" or "images"
+    kind: str  # "toy", "tabular", "images" or "file"
+    reference: np.ndarray | None = None
+    image_shape: tuple[int, ...] | None = None
+    levels: int | None = None
+    standardization: Standardization | None = None
+    table: Table | None = None
 
 
 def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
@@ -74,15 +104,16 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
     )
 
 
-def _digits_to_logit(levels, key):
-    u = jr.uniform(key, levels.shape, levels.dtype)
-    s = LOGIT_ALPHA + (1 - 2 * LOGIT_ALPHA) * (levels + u) / DIGIT_LEVELS
+def _levels_to_logit(levels, key, n_levels: int = DIGIT_LEVELS):
+    u = jr.uniform(key, levels.shape, jnp.result_type(float))
+    s = LOGIT_ALPHA + (1 - 2 * LOGIT_ALPHA) * (levels + u) / n_levels
     return jnp.log(s) - jnp.log1p(-s)
 
 
 def digits_from_logit(y: np.ndarray) -> np.ndarray:
     """Maps logit-space digit samples back to pixel intensities in [0, 1] (the
-    inverse of the `digits` source's logit transform, clipped).
+    inverse of the `digits` source's logit transform, clipped). The same map serves
+    the `mnist` source.
 
     !!! example
 
@@ -97,11 +128,89 @@ def digits_from_logit(y: np.ndarray) -> np.ndarray:
     return np.clip((s - LOGIT_ALPHA) / (1 - 2 * LOGIT_ALPHA), 0, 1)
 
 
-def data_source(name: str) -> DataSource:
+def _resampled(train: np.ndarray) -> Callable:
+    rows = jnp.asarray(train, jnp.result_type(float))
+
+    def sample(key, n):
+        return rows[jr.randint(key, (n,), 0, rows.shape[0])]
+
+    return sample
+
+
+def _tabular(name: str, splits: Splits) -> DataSource:
+    return DataSource(
+        name,
+        splits.train.shape[1],
+        _resampled(splits.train),
+        splits.val,
+        lambda seed, n: splits.test,
+        lambda seed, n: np.zeros(splits.test.shape[0]),
+        "tabular",
+        reference=splits.train,
+    )
+
+
+def _images(name, splits, image_shape, n_levels, validation_rows=None):
+    """Dequantised images in logit space: fresh noise every batch, fixed noise
+    (seed 1 for validation, the given seed for the test set) otherwise."""
+    train = jnp.asarray(splits.train.reshape(splits.train.shape[0], -1))
+    dim = math.prod(image_shape)
+
+    def sample(key, n):
+        k_idx, k_u = jr.split(key)
+        rows = train[jr.randint(k_idx, (n,), 0, train.shape[0])]
+        return _levels_to_logit(rows.astype(jnp.result_type(float)), k_u, n_levels)
+
+    def fixed(split, seed, n=None):
+        split = split.reshape(split.shape[0], -1)[:n].astype(np.float64)
+        x = dequantize(split, np.random.default_rng(seed), n_levels)
+        return logit_transform(x, LOGIT_ALPHA)
+
+    def test(seed, n):  # the digits' whole test split; at most n MNIST images
+        return fixed(splits.test, seed, None if name == "digits" else n)[0]
+
+    def test_log_det(seed, n):
+        return fixed(splits.test, seed, None if name == "digits" else n)[1]
+
+    return DataSource(
+        name,
+        dim,
+        sample,
+        fixed(splits.val, 1, validation_rows)[0],
+        test,
+        test_log_det,
+        "images",
+        reference=fixed(splits.train, 0)[0] if name == "digits" else None,
+        image_shape=image_shape,
+        levels=n_levels,
+    )
+
+
+def _mnist(data_dir) -> DataSource:
+    images, _, test, _ = load_mnist_idx(_mnist_root(data_dir))
+    cut = max(images.shape[0] - _MNIST_VALIDATION, images.shape[0] // 2)
+    splits = Splits(images[:cut], images[cut:], test)
+    return _images(
+        "mnist", splits, images.shape[1:], MNIST_LEVELS, _MNIST_VALIDATION_USED
+    )
+
+
+def _mnist_root(data_dir) -> str:
+    """`data_dir/mnist` where it holds MNIST's files, else `data_dir` itself."""
+    nested = os.path.join(os.fspath(data_dir), "mnist")
+    return nested if os.path.isdir(nested) else os.fspath(data_dir)
+
+
+def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> DataSource:
     """The data set `name` as the command line trains on it: a toy 2-D set (fresh
     samples every batch), a scikit-learn tabular set (batches drawn from its training
-    split) or `"digits"` (dequantised with fresh noise every batch, in logit space,
-    flattened to 64 values).
+    split), `"digits"` (dequantised with fresh noise every batch, in logit space,
+    flattened to 64 values), or one of the sets read from `data_dir`: MAF's UCI
+    sets (`power`, `gas`, `hepmass`, `miniboone`, `bsds300`, see
+    [`load_uci`][cnftrace.datasets.load_uci]) and `"mnist"` (MNIST's IDX files in
+    `data_dir` or `data_dir/mnist`, dequantised in logit space like the digits,
+    flattened to 784 values; the last 10000 training images are held out, the
+    first 1000 of them validated on).
 
     !!! example
 
@@ -114,6 +223,25 @@ def data_source(name: str) -> DataSource:
         print(source.dim, batch.shape, test.shape)
         ```
     """
+    if name in DIRECTORY_DATASETS:
+        if data_dir is None:
+            where = "MAF's UCI files" if name in UCI_DATASETS else "MNIST's IDX files"
+            raise ValueError(
+                f"{name!r} is read from {where} in a directory you provide: pass "
+                "`data_dir` (`--data-dir DIR` on the command line); "
+                "`cnftrace datasets --data-dir DIR` lists what it finds there."
+            )
+        try:
+            if name == "mnist":
+                return _mnist(data_dir)
+            return _tabular(name, load_uci(name, data_dir))
+        except FileNotFoundError:
+            raise  # its message names the file and where to get it
+        except (ValueError, OSError, EOFError, pickle.UnpicklingError) as e:
+            source = _MNIST_SOURCE if name == "mnist" else _UCI_SOURCE
+            raise ValueError(
+                f"{name}: a file in {os.fspath(data_dir)} is malformed: {e}. {source}"
+            ) from None
     if name in TOY_DATASETS:
         return DataSource(
             name,
@@ -125,41 +253,76 @@ def data_source(name: str) -> DataSource:
             "toy",
         )
     if name in TABULAR_DATASETS:
-        splits = load_tabular(name)
-        train = jnp.asarray(splits.train, jnp.result_type(float))
-
-        def sample(key, n):
-            return train[jr.randint(key, (n,), 0, train.shape[0])]
-
-        return DataSource(
-            name,
-            splits.train.shape[1],
-            sample,
-            splits.val,
-            lambda seed, n: splits.test,
-            lambda seed, n: np.zeros(splits.test.shape[0]),
-            "tabular",
-        )
+        return _tabular(name, load_tabular(name))
     if name == "digits":
-        splits = load_digits()
-        train = jnp.asarray(splits.train, jnp.result_type(float))
+        return _images("digits", load_digits(), (8, 8), DIGIT_LEVELS)
+    raise ValueError(
+        f"unknown data set {name!r}; choose from {ALL_DATASETS + DIRECTORY_DATASETS}, "
+        f"or give a data file ({', '.join(TABLE_FORMATS)})."
+    )
 
-        def sample_digits(key, n):
-            k_idx, k_u = jr.split(key)
-            rows = train[jr.randint(k_idx, (n,), 0, train.shape[0])]
-            return _digits_to_logit(rows, k_u)
 
-        def fixed(split, seed):
-            x = dequantize(split, np.random.default_rng(seed))
-            return logit_transform(x, LOGIT_ALPHA)
+def file_source(
+    paths: str | os.PathLike | list,
+    *,
+    columns=None,
+    array: str | None = None,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+    standardize: bool = True,
+) -> DataSource:
+    """A user's own table of samples as a training source: the files read and checked
+    by [`read_table`][cnftrace.datasets.read_table], split by
+    [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split), and,
+    with `standardize`, standardised by the training rows' mean and standard
+    deviation. Batches are drawn from the training rows (standardised), the
+    validation rows are standardised too, and `test` returns the test rows in the
+    data's own units. A column that takes one value over the training rows is
+    refused by name: it has no density to learn.
 
-        return DataSource(
-            name,
-            64,
-            sample_digits,
-            fixed(splits.val, 1)[0],
-            lambda seed, n: fixed(splits.test, seed)[0],
-            lambda seed, n: fixed(splits.test, seed)[1],
-            "images",
+    !!! example
+
+        ```python
+        import numpy as np
+        from cnftrace.datasets import file_source
+
+        rng = np.random.default_rng(0)
+        np.save("points.npy", rng.normal(size=(50, 3)) * [1.0, 10.0, 100.0])
+        source = file_source("points.npy", seed=0)
+        print(source.dim, source.train(jr.key(0), 4).shape)  # 3 (4, 3)
+        print(source.standardization.scale)                   # about [1, 10, 100]
+        ```
+    """
+    table = read_table(paths, columns=columns, array=array)
+    name = table.paths[0] if len(table.paths) == 1 else " + ".join(table.paths)
+    splits = split_table(
+        table.data,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+        seed=seed,
+        name=name,
+    )
+    spread = splits.train.max(axis=0) - splits.train.min(axis=0)
+    if np.any(spread == 0):
+        j = int(np.flatnonzero(spread == 0)[0])
+        column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
+        raise ValueError(
+            f"{name}: {column} is constant over the {splits.train.shape[0]} training "
+            f"rows (always {splits.train[0, j]!r}): a zero variance, which cannot be "
+            "standardised and has no density to learn. Leave it out with `--columns`."
         )
-    raise ValueError(f"unknown data set {name!r}; choose from {ALL_DATASETS}.")
+    std = Standardization.from_data(splits.train, name=name) if standardize else None
+    to_model = (lambda x: np.asarray(std.forward(x))) if standardize else np.asarray
+    return DataSource(
+        name,
+        table.data.shape[1],
+        _resampled(to_model(splits.train)),
+        to_model(splits.val) if splits.val.shape[0] else None,
+        lambda seed, n: splits.test,
+        lambda seed, n: np.zeros(splits.test.shape[0]),
+        "file",
+        reference=splits.train,
+        standardization=std,
+        table=table,
+    )

@@ -38,6 +38,14 @@ from ._real import Splits
 
 UCI_DATASETS = ("power", "gas", "hepmass", "miniboone", "bsds300")
 UCI_DIMS = {"power": 6, "gas": 8, "hepmass": 21, "miniboone": 43, "bsds300": 63}
+# The files each set is read from, under `root`.
+UCI_FILES = {
+    "power": [("power", "data.npy")],
+    "gas": [("gas", "ethylene_CO.pickle")],
+    "hepmass": [("hepmass", "1000_train.csv"), ("hepmass", "1000_test.csv")],
+    "miniboone": [("miniboone", "data.npy")],
+    "bsds300": [("BSDS300", "BSDS300.hdf5")],
+}
 
 _SOURCE = (
     "Get MAF's preprocessed data from Zenodo, record 1161203 "

@@ -1,0 +1,427 @@
+"""A user's own table of samples, read from files: `.npy`, `.npz` (a named array),
+`.csv`/`.tsv` (numeric columns, an optional header line) and, where pandas has a
+Parquet engine (pyarrow or fastparquet), `.parquet`.
+
+Everything is checked before anything trains, and every error names the file, the
+row or column, and the fix: an empty file, text in a numeric column, a line with the
+wrong number of fields, a header line repeated further down (files concatenated with
+their headers), NaN or inf, a dimension that changes between files. Rows are counted
+from 0 (as NumPy indexes them); the lines of a text file from 1 (as an editor shows
+them); columns from 0, with their header names where there are some.
+"""
+
+import csv
+import hashlib
+import io
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ._real import Splits
+
+TABLE_FORMATS = (".csv", ".tsv", ".npy", ".npz", ".parquet")
+_DELIMITERS = {".csv": ",", ".tsv": "\t"}
+
+
+class Table(NamedTuple):
+    """The samples of one or more files, as
+    [`read_table`][cnftrace.datasets.read_table] returns them.
+
+    - `data`: a float64 array of shape `(n, dim)`, the files' rows one after another.
+    - `names`: the column names (from a header line or a Parquet file), or `None`.
+    - `paths`: the files read, in order.
+    - `sha256`: the SHA-256 of each file's bytes.
+    - `rows`: the number of rows each file gave.
+    """
+
+    data: np.ndarray
+    names: tuple[str, ...] | None
+    paths: tuple[str, ...]
+    sha256: tuple[str, ...]
+    rows: tuple[int, ...]
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_number(field: str) -> bool:
+    try:
+        float(field)
+    except ValueError:
+        return False
+    return True
+
+
+def _column(j: int, names) -> str:
+    return f"column {j} ({names[j]!r})" if names else f"column {j}"
+
+
+def _read_text(path: str, delimiter: str, columns):
+    """`(data, names, line_of_row)` of the picked columns of a delimited text file
+    (the others are not read, so they may hold text)."""
+    with open(path, newline="") as f:
+        text = f.read()
+    lines = [
+        (i + 1, row)
+        for i, row in enumerate(csv.reader(io.StringIO(text), delimiter=delimiter))
+        if row and any(field.strip() for field in row)
+    ]
+    if not lines:
+        raise ValueError(f"{path} is empty: it holds no rows. Give a file of samples.")
+    first = [field.strip() for field in lines[0][1]]
+    names = None
+    if not all(_is_number(field) for field in first):
+        names = tuple(first)
+        lines = lines[1:]
+        if not lines:
+            raise ValueError(
+                f"{path} holds a header line but no rows of numbers under it."
+            )
+    width = len(first)
+    if names is not None and len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ValueError(
+            f"{path}: the header names the column {twice!r} twice; rename one."
+        )
+    picked = _resolve(path, columns, names, width)
+    data = np.empty((len(lines), len(picked)))
+    for r, (line, row) in enumerate(lines):
+        fields = [field.strip() for field in row]
+        if names is not None and tuple(fields) == names:
+            raise ValueError(
+                f"{path}, line {line} repeats the header line (line 1): were files "
+                "concatenated with their headers? Delete the repeated header lines "
+                "(or pass the files one by one to `--data`)."
+            )
+        if len(fields) != width:
+            what = "the header" if names is not None else "line 1"
+            raise ValueError(
+                f"{path}, line {line} has {len(fields)} fields where {what} has "
+                f"{width}; every row needs one number per column."
+            )
+        for k, j in enumerate(picked):
+            field = fields[j]
+            try:
+                data[r, k] = float(field)
+            except ValueError:
+                if not field:
+                    problem = "is empty"
+                    fix = "fill it in, or remove the row"
+                else:
+                    problem = f"holds {field!r}, which is not a number"
+                    fix = "columns must be numeric: fix the value, or leave the "
+                    fix += "column out with `--columns`"
+                raise ValueError(
+                    f"{path}, line {line} (row {r}), {_column(j, names)} {problem}; "
+                    f"{fix}."
+                ) from None
+    if names is not None:
+        names = tuple(names[j] for j in picked)
+    return data, names, [line for line, _ in lines]
+
+
+def _from_array(path: str, x, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.names is not None or not (
+        np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
+    ):
+        raise ValueError(
+            f"{path}{what} holds an array of dtype {x.dtype}; expected numbers "
+            "(float or int). Convert it, e.g. `x.astype(np.float64)`."
+        )
+    if x.ndim != 2:
+        raise ValueError(
+            f"{path}{what} holds an array of shape {x.shape}; expected a table of "
+            "shape (rows, columns). Reshape it, e.g. `x.reshape(-1, 1)` for one column."
+        )
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{path}{what} holds an empty array of shape {x.shape}.")
+    return x.astype(np.float64)
+
+
+def _read_npy(path: str, array: str | None):
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise ValueError(
+            f"{path} is not a NumPy array file of numbers ({e}); save it with "
+            "`np.save(path, x)` where x is a float array of shape (rows, columns)."
+        ) from None
+    if isinstance(loaded, np.ndarray):
+        if array is not None:
+            raise ValueError(f"{path} is a .npy file of one array; drop `array`.")
+        return _from_array(path, loaded, ""), None
+    with loaded:
+        keys = list(loaded.keys())
+        if array is None:
+            if len(keys) != 1:
+                raise ValueError(
+                    f"{path} holds the arrays {keys}; name the one to train on "
+                    "(`--array NAME` on the command line)."
+                )
+            array = keys[0]
+        if array not in keys:
+            raise ValueError(f"{path} holds no array named {array!r}; it holds {keys}.")
+        try:
+            x = loaded[array]
+        except ValueError as e:
+            raise ValueError(f"{path}[{array!r}] cannot be read: {e}") from None
+    return _from_array(path, x, f"[{array!r}]"), None
+
+
+def _read_parquet(path: str, columns):
+    try:
+        import pandas as pd
+
+        frame = pd.read_parquet(path)
+    except ImportError as e:
+        raise ValueError(
+            f"reading {path} needs pandas with a Parquet engine ({e}): "
+            "`pip install pandas pyarrow`, or save the table as .csv or .npy."
+        ) from None
+    names = tuple(str(c) for c in frame.columns)
+    picked = _resolve(path, columns, names, frame.shape[1])
+    frame, names = frame.iloc[:, picked], tuple(names[j] for j in picked)
+    for j in range(frame.shape[1]):
+        column = frame.iloc[:, j]
+        if column.dtype.kind not in "fiu":
+            values = pd.to_numeric(column, errors="coerce")
+            bad = np.flatnonzero(values.isna() & column.notna())
+            row = int(bad[0]) if bad.size else 0
+            raise ValueError(
+                f"{path}, {_column(j, names)} has dtype {column.dtype} (row {row} "
+                f"holds {column.iloc[row]!r}); columns must be numeric: convert it, "
+                "or leave it out with `--columns`."
+            )
+    if frame.shape[0] == 0 or frame.shape[1] == 0:
+        raise ValueError(f"{path} holds an empty table of shape {frame.shape}.")
+    return frame.to_numpy(dtype=np.float64), names
+
+
+def _resolve(path, columns, names, width) -> list[int]:
+    """The 0-based positions of the columns picked by `columns` (header names or
+    positions); all of them for `None`."""
+    if columns is None:
+        return list(range(width))
+    picked = []
+    for c in columns:
+        if names is not None and str(c) in names:
+            picked.append(names.index(str(c)))
+            continue
+        try:
+            j = int(c)
+        except (TypeError, ValueError):
+            known = f"its columns are {list(names)}" if names else "it has no header"
+            raise ValueError(
+                f"{path} has no column named {c!r}; {known}. Pick columns by name or "
+                "by 0-based position."
+            ) from None
+        if not 0 <= j < width:
+            raise ValueError(
+                f"{path} has {width} columns (positions 0 to {width - 1}); column "
+                f"{j} does not exist."
+            )
+        picked.append(j)
+    if len(set(picked)) != len(picked):
+        raise ValueError(f"the columns {list(columns)} pick one column twice.")
+    if not picked:
+        raise ValueError("`columns` is empty; pick at least one column.")
+    return picked
+
+
+def _check_finite(path, data, names, lines):
+    bad = ~np.isfinite(data)
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1))
+        r = int(rows[0])
+        j = int(np.flatnonzero(bad[r])[0])
+        where = f"row {r}" + (f" (line {lines[r]})" if lines else "")
+        raise ValueError(
+            f"{path} has {rows.size} row(s) with NaN or inf; the first is {where}, "
+            f"{_column(j, names)} = {data[r, j]!r}. Remove or impute those rows."
+        )
+
+
+def _read_one(path: str, columns, array):
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in TABLE_FORMATS:
+        raise ValueError(
+            f"{path}: cannot read files of type {ext or '(no extension)'!r}; give a "
+            f"file ending in one of {', '.join(TABLE_FORMATS)}."
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path} does not exist.")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is empty (0 bytes): it holds no rows.")
+    if array is not None and ext != ".npz":
+        raise ValueError(f"`array` names an array of a .npz file; {path} is {ext}.")
+    lines = None
+    if ext in _DELIMITERS:
+        data, names, lines = _read_text(path, _DELIMITERS[ext], columns)
+    elif ext == ".parquet":
+        data, names = _read_parquet(path, columns)
+    else:
+        data, names = _read_npy(path, array)
+        data = data[:, _resolve(path, columns, None, data.shape[1])]
+    _check_finite(path, data, names, lines)
+    return data, names
+
+
+def read_table(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    columns: Sequence[str | int] | None = None,
+    array: str | None = None,
+) -> Table:
+    """Reads a table of samples (one row per sample, one numeric column per
+    coordinate) from one file or several, checking every value.
+
+    **Arguments:**
+
+    - `paths`: a file, or several files whose rows are stacked in order; each ends
+        in `.npy`, `.npz`, `.csv`, `.tsv` or `.parquet` (Parquet needs pandas with
+        pyarrow or fastparquet). A text file's first line is a header when one of
+        its fields is not a number.
+    - `columns`: the columns to keep, by header name or 0-based position; all by
+        default.
+    - `array`: for `.npz` files, the name of the array (needed when a file holds
+        several).
+
+    **Returns:**
+
+    A [`Table`][cnftrace.datasets.Table]: the float64 data, column names, paths,
+    SHA-256 of each file and rows per file.
+
+    A `ValueError` names the file, the row (and line) or column, and the fix, for an
+    empty file, text where a number should be, a field missing from a line, a header
+    line repeated further down, NaN or inf, or files with different columns.
+
+    !!! example
+
+        ```python
+        from cnftrace.datasets import read_table
+
+        with open("points.csv", "w") as f:
+            f.write("x,y,label\\n1.0,2.0,0\\n3.0,4.5,1\\n")
+        table = read_table("points.csv", columns=["x", "y"])
+        print(table.data.shape, table.names)  # (2, 2) ('x', 'y')
+        ```
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = tuple(os.fspath(p) for p in paths)
+    if not paths:
+        raise ValueError("`paths` is empty; give at least one data file.")
+    if columns is not None and isinstance(columns, str):
+        columns = [c.strip() for c in columns.split(",")]
+    parts, first_names = [], None
+    for i, path in enumerate(paths):
+        data, names = _read_one(path, columns, array)
+        if i == 0:
+            first_names = names
+        elif data.shape[1] != parts[0].shape[1]:
+            raise ValueError(
+                f"{path} has {data.shape[1]} columns but {paths[0]} has "
+                f"{parts[0].shape[1]}: every file must hold the same columns. Pick "
+                "the same ones with `--columns`."
+            )
+        elif names is not None and first_names is not None and names != first_names:
+            raise ValueError(
+                f"{path} has the columns {list(names)} but {paths[0]} has "
+                f"{list(first_names)}: every file must hold the same columns."
+            )
+        parts.append(data)
+    return Table(
+        data=np.concatenate(parts),
+        names=first_names,
+        paths=paths,
+        sha256=tuple(file_sha256(p) for p in paths),
+        rows=tuple(p.shape[0] for p in parts),
+    )
+
+
+def _split_sizes(n: int, val_fraction: float, test_fraction: float):
+    n_test = int(round(test_fraction * n))
+    n_val = int(round(val_fraction * n))
+    return n - n_val - n_test, n_val, n_test
+
+
+def _min_rows(val_fraction: float, test_fraction: float) -> int:
+    n = 1
+    while True:
+        n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
+        if n_train >= 2 and n_test >= 1 and (n_val >= 1 or val_fraction == 0):
+            return n
+        n += 1
+
+
+def split_table(
+    data: np.ndarray,
+    *,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.1,
+    seed: int = 0,
+    name: str = "data",
+) -> Splits:
+    """A fixed train/validation/test split of the rows of `data`: a permutation drawn
+    from `seed` (`numpy.random.default_rng(seed)`), then `round(test_fraction * n)`
+    test rows, `round(val_fraction * n)` validation rows, and the rest for training.
+    The same `data` and `seed` always give the same split.
+
+    **Arguments:**
+
+    - `data`: the samples, shape `(n, dim)`.
+    - `val_fraction`: the share of validation rows, in `[0, 1)` (0: none).
+    - `test_fraction`: the share of test rows, in `(0, 1)`.
+    - `seed`: picks the permutation.
+    - `name`: what to call `data` in an error (a file name, say).
+
+    **Returns:**
+
+    [`Splits`][cnftrace.datasets.Splits]`(train, val, test)`. A `ValueError` says how
+    many rows the fractions need when `data` has too few (two training rows, one
+    test row and, unless `val_fraction` is 0, one validation row).
+
+    !!! example
+
+        ```python
+        import numpy as np
+        from cnftrace.datasets import split_table
+
+        train, val, test = split_table(np.arange(20.0).reshape(10, 2), seed=1)
+        print(train.shape, val.shape, test.shape)  # (8, 2) (1, 2) (1, 2)
+        ```
+    """
+    for label, value, low_open in (
+        ("val_fraction", val_fraction, False),
+        ("test_fraction", test_fraction, True),
+    ):
+        if not (0 < value < 1 if low_open else 0 <= value < 1):
+            interval = "(0, 1)" if low_open else "[0, 1)"
+            raise ValueError(f"`{label}` must be in {interval}; got {value!r}.")
+    if val_fraction + test_fraction >= 1:
+        raise ValueError(
+            f"`val_fraction` + `test_fraction` = {val_fraction + test_fraction} leaves "
+            "no rows for training; make them add up to less than 1."
+        )
+    data = np.asarray(data)
+    n = data.shape[0]
+    n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
+    need = _min_rows(val_fraction, test_fraction)
+    if n < need:
+        raise ValueError(
+            f"{name} has {n} row(s); a split with validation fraction {val_fraction} "
+            f"and test fraction {test_fraction} needs at least {need} (two to train "
+            "on, one to test, one to validate). Add rows, or change the fractions."
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    test, val, train = np.split(perm, [n_test, n_test + n_val])
+    return Splits(data[train], data[val], data[test])
