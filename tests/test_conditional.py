@@ -163,8 +163,8 @@ def test_array_data_batches_keep_each_sample_with_its_context():
     c = jnp.stack([x[:, 0], -x[:, 1], x[:, 0] + x[:, 1]], -1)
     sampler = cnftrace.Trainer(x, key=jr.key(0), context=c).sample
     for seed in range(3):
-        batch, ctx = jax.jit(lambda key: sampler(key, 8))(jr.key(seed))
-        assert batch.shape == (8, 2) and ctx.shape == (8, 3)
+        batch, ctx, bad = jax.jit(lambda key: sampler(key, 8))(jr.key(seed))
+        assert batch.shape == (8, 2) and ctx.shape == (8, 3) and not bad
         np.testing.assert_array_equal(ctx[:, 0], batch[:, 0])
         np.testing.assert_array_equal(ctx[:, 1], -batch[:, 1])
         assert len(set(np.asarray(batch[:, 0]).tolist())) > 1  # not one row repeated
