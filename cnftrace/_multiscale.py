@@ -282,10 +282,10 @@ class MultiscaleFlow(AbstractFlow):
 
         ```python
         flow = cnftrace.MultiscaleFlow(
-            (1, 8, 8), blocks_per_scale=1, hidden=(16, 16), rtol=1e-3, atol=1e-3,
+            (1, 8, 8), blocks_per_scale=1, hidden=(8,), rtol=1e-3, atol=1e-3,
             key=jr.key(0),
         )
-        logp = flow.log_prob(jnp.zeros((4, 1, 8, 8)))  # shape (4,)
+        logp = flow.log_prob(jnp.zeros((2, 1, 8, 8)))  # shape (2,)
         print(len(flow.blocks))  # 3: scale 0, its squeezed stack, scale 1
         ```
     """

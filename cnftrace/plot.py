@@ -115,15 +115,7 @@ def plot_flow_2d(
         cnftrace.plot.plot_flow_2d(flow, data, samples, "flow.png", resolution=30)
         ```
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "plotting needs matplotlib: `pip install 'cnftrace[plot]'`."
-        ) from e
+    plt = _pyplot()
     xs, ys, logp = density_grid(flow, lim=lim, resolution=resolution)
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     kw = dict(bins=200, range=[[-lim, lim], [-lim, lim]], cmap="viridis")

@@ -36,18 +36,22 @@ if _CACHE is not None:
 # The files that take longest (mostly XLA compiling), first: pytest-xdist's
 # `--dist loadfile` hands out whole files in collection order, so putting the long
 # ones first keeps one worker from finishing a long file alone at the end.
-LONGEST_FIRST = (
-    "test_flow.py",
+LONGEST_FIRST = (  # by their measured time on one core, 2026-11-23
     "test_docs_examples.py",
-    "test_experiments_images.py",
-    "test_parallel.py",
-    "test_cli.py",
-    "test_matching.py",
-    "test_checkpoint.py",
-    "test_regularization.py",
-    "test_conditional.py",
-    "test_bench_run.py",
+    "test_flow.py",
     "test_docstring_examples.py",
+    "test_train.py",
+    "test_parallel.py",
+    "test_conditional.py",
+    "test_experiments_tabular.py",
+    "test_experiments_images.py",
+    "test_regularization.py",
+    "test_matching.py",
+    "test_bench_run.py",
+    "test_cli.py",
+    "test_multiscale.py",
+    "test_checkpoint.py",
+    "test_bench_b3.py",
 )
 
 
