@@ -194,8 +194,9 @@ def list_datasets(data_dir: str | None) -> list[tuple[str, ...]]:
             (name, "2", "unlimited", f"{toy_entropy(name):.4f}", f"toy 2-D ({kind})")
         )
     for name in TABULAR_DATASETS:
-        n = sum(len(s) for s in load_tabular(name))
-        dim = load_tabular(name).train.shape[1]
+        splits = load_tabular(name)
+        n = sum(len(s) for s in splits)
+        dim = splits.train.shape[1]
         rows.append((name, str(dim), str(n), "-", "scikit-learn table, standardised"))
     n = sum(len(s) for s in load_digits())
     rows.append(("digits", "64", str(n), "-", "scikit-learn 8x8 digits, 17 levels"))
