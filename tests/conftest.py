@@ -4,10 +4,19 @@ compiled programs of each test file released when the file is done."""
 import gc
 import os
 
-import jax
-import pytest
+# XLA:CPU's newer fusion emitters take most of the compile time of the suite's small
+# programs: without them a flow's gradient compiles in 1.4 s instead of 3.4 s and
+# runs about a tenth slower, a good trade for programs that run a few steps. Set
+# before JAX starts its backend, and inherited by the processes the tests start.
+_FAST_COMPILE = "--xla_cpu_use_fusion_emitters=false"
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+if _FAST_COMPILE not in _FLAGS:
+    os.environ["XLA_FLAGS"] = f"{_FLAGS} {_FAST_COMPILE}".strip()
 
-import cnftrace
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import cnftrace  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")

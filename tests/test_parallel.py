@@ -69,9 +69,10 @@ def _arrays(tree) -> list[np.ndarray]:
 
 
 def _child_env(devices: int) -> dict:
-    return dict(
-        os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
-    )
+    # Added to the suite's own XLA flags (conftest.py), not in place of them.
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(os.environ, XLA_FLAGS=flags)
 
 
 def _load(path):
