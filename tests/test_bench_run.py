@@ -67,3 +67,20 @@ def test_quick_b4_report(tmp_path):
     # An untrained-ish flow is far from the truth, and the gap is a KL: positive.
     assert ours["gap"] > 0.05
     assert ("missing" in row["zuko"]) or row["zuko"]["gap"] > 0.05
+
+
+def test_first_step_report_and_arguments():
+    from experiments.bench import first_step
+
+    fake = {
+        "hutchinson": {
+            "cold": {"first_step_s": 4.2, "since_start_s": 6.0},
+            "warm": [{"first_step_s": 1.7, "since_start_s": 3.1}],
+        }
+    }
+    lines = first_step.markdown(fake).splitlines()
+    assert lines[2] == "| hutchinson | cold | 4.20 | 6.00 | ≤ 5 s: met |"
+    assert lines[3] == "| hutchinson | warm | 1.70 | 3.10 | ≤ 1 s: **missed** |"
+    for bad in (["--estimators", "exact,nope"], ["--warm-runs", "0"]):
+        with pytest.raises(SystemExit):
+            first_step.main(bad)
