@@ -18,6 +18,9 @@ def test_quick_b1_report(tmp_path, capsys):
     assert "## Targets" in report and "## B1" in report and "Compute floor" in report
     assert "B1 hutchinson s/iter ≤ 0.035" in report
     assert "| hutchinson | cnftrace" in report and "| exact | cnftrace" in report
+    # TFP's row, or the line saying how to install it.
+    assert "| TFP / cnftrace |" in report
+    assert "| hutchinson | TFP (JAX) " in report or "TFP (JAX) peer not run" in report
     raw = json.load(open(os.path.splitext(out)[0] + ".json"))
     for est in ("hutchinson", "exact"):
         ours = raw["b1"][est]["cnftrace"]
@@ -36,6 +39,48 @@ def test_quick_b1_report(tmp_path, capsys):
 def test_unknown_section_is_refused():
     with pytest.raises(SystemExit):
         run.main(["--only", "b5"])
+    with pytest.raises(SystemExit):
+        run.main(["--only", "b1", "--repeats", "0"])
+
+
+def _fake_b1(system: str, s_per_iter: float) -> dict:
+    return {
+        "system": system,
+        "s_per_iter": s_per_iter,
+        "first_step_s": 10 * s_per_iter,
+        "nfe_fwd": 26.0,
+        "nfe_bwd": 25.0,
+    }
+
+
+def test_b1_markdown_lists_each_run_and_the_medians():
+    """With the systems alternated twice, B1's table gives each system's medians and
+    both ratios, then every run in order; a peer that is not installed says so."""
+    rounds = [
+        {
+            "cnftrace": _fake_b1("cnftrace 0", a),
+            "zuko": None,
+            "tfp": _fake_b1("TFP (JAX) 0", b),
+        }
+        for a, b in ((0.1, 0.2), (0.3, 0.4))
+    ]
+    entry = {n: run._median_run([r[n] for r in rounds]) for n in run.B1_SYSTEMS}
+    assert entry["cnftrace"]["s_per_iter"] == pytest.approx(0.2)
+    assert entry["cnftrace"]["repeats"] == 2 and entry["zuko"] is None
+    entry["cnftrace"]["costs"] = {"f": 1e-4, "f_div": 2e-4, "grad_f_div": 1e-3}
+    entry["cnftrace"]["floor_s"] = 0.05
+    entry["runs"] = rounds
+    text = run.b1_markdown({"hutchinson": entry})
+    header = text.splitlines()[0]
+    assert header.endswith("| zuko / cnftrace | TFP / cnftrace |")
+    columns = header.count("|")
+    median_row = "| hutchinson | cnftrace 0 | 0.2000 | 2.00 | 26.0 | 25.0 | — | 1.50× |"
+    assert median_row in text
+    assert "| hutchinson | zuko peer not run" in text and "`pip install" in text
+    assert "| hutchinson | 1 | cnftrace 0 | 0.1000 |" in text
+    assert "| hutchinson | 2 | TFP (JAX) 0 | 0.4000 |" in text
+    for line in text.split("\n\n")[0].splitlines():
+        assert line.count("|") == columns, line
 
 
 def test_quick_b2_objectives_report(tmp_path):

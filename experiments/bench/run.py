@@ -1,13 +1,18 @@
 """The benchmark suite in one command: B1, B2 and B3 of `shared/BENCHMARK.md`, cnftrace
-beside zuko in the same invocation, written to a markdown report.
+beside zuko (and in B1 beside TFP's JAX FFJORD too) in the same invocation, written to
+a markdown report.
 
     pip install -e ".[bench]"                 # torch 2.13.0 (CPU) and zuko
+    pip install --pre -e ".[peers]"           # TFP's JAX FFJORD (tfp-nightly: --pre)
     python -m experiments.bench.run           # everything, about 45 minutes on 2 cores
     python -m experiments.bench.run --quick   # tiny settings, a minute or two
+    python -m experiments.bench.run --only b1 --repeats 2   # B1 alone, A B A B
 
-Writes `docs/benchmarks.md` (or `--out`) atomically: the machine and versions, every
-figure beside its target, and the raw numbers as JSON next to it. Without torch and
-zuko installed the zuko columns say so and the cnftrace figures are still measured.
+B1 runs the systems alternated, `--repeats` times (cnftrace, zuko, TFP, cnftrace,
+zuko, TFP, ... for each estimator; 2 by default, 1 with `--quick`), and reports every
+run and the medians. Writes `docs/benchmarks.md` (or `--out`) atomically: the machine
+and versions, every figure beside its target, and the raw numbers as JSON next to it.
+Without a peer installed its rows say so and the other figures are still measured.
 """
 
 import argparse
@@ -15,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 
 import jax
@@ -25,17 +31,30 @@ from experiments.bench import b1, b2, b3, b4, common
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
+# What a peer's rows say where its package is not installed (with the import error).
+ZUKO_MISSING = "zuko peer not run; `pip install -e '.[bench]'`"
+TFP_MISSING = (
+    "TFP (JAX) peer not run; `pip install --pre -e '.[peers]'` "
+    "(or `pip install --pre tfp-nightly`)"
+)
 try:
     from experiments.bench import zuko_peer
 except ImportError as e:  # the bench extra is not installed
     zuko_peer = None
-    ZUKO_MISSING = f"zuko peer not run ({e}); `pip install -e '.[bench]'`"
+    ZUKO_MISSING = ZUKO_MISSING.replace("run;", f"run ({e});")
+
+try:
+    from experiments.bench import tfp_peer
+except ImportError as e:  # the peers extra is not installed
+    tfp_peer = None
+    TFP_MISSING = TFP_MISSING.replace("run;", f"run ({e});")
 
 TARGETS = {
     "hutchinson": 0.035,
     "exact": 0.045,
     "first_step": 5.0,
     "speedup": 4.0,
+    "speedup_tfp": 1.5,
     "floor_ratio": 1.3,
     "b2_seconds": 180.0,
 }
@@ -51,40 +70,113 @@ def _fmt_s(value) -> str:
     return "—" if value is None else f"{value:.0f} s"
 
 
-def run_b1(iters: int, batch: int) -> dict:
+# B1's systems in the order each round runs them, with their report labels.
+B1_SYSTEMS = ("cnftrace", "zuko", "tfp")
+B1_LABELS = {"zuko": "zuko", "tfp": "TFP"}
+
+
+def _b1_once(system: str, est: str, iters: int, batch: int) -> dict | None:
+    """One B1 run of `system`, or None where its package is not installed."""
+    if system == "cnftrace":
+        return b1.cnftrace_b1(est, iters=iters, batch=batch)
+    if system == "zuko":
+        if zuko_peer is None:
+            return None
+        return zuko_peer.zuko_b1(est == "exact", iters=iters, batch=batch)
+    if tfp_peer is None:
+        return None
+    return tfp_peer.tfp_b1(est == "exact", iters=iters, batch=batch)
+
+
+_MEDIAN_KEYS = ("s_per_iter", "first_step_s", "nfe_fwd", "nfe_bwd")
+
+
+def _median_run(runs: list[dict | None]) -> dict | None:
+    """One system's runs summarised: the first run's record with the medians of
+    the per-run figures (the run itself where there is one run)."""
+    if runs[0] is None:
+        return None
+    summary = dict(runs[0])
+    for key in _MEDIAN_KEYS:
+        summary[key] = statistics.median(r[key] for r in runs)
+    summary["repeats"] = len(runs)
+    return summary
+
+
+def run_b1(iters: int, batch: int, repeats: int = 1) -> dict:
+    """B1 for each estimator: the systems alternated `repeats` times (cnftrace,
+    zuko, TFP, cnftrace, zuko, TFP, ...), each run kept under "runs" and each
+    system's medians under its name; cnftrace's compute floor at its median NFE."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be positive; got {repeats}.")
     out = {}
     for est in ("hutchinson", "exact"):
-        ours = b1.cnftrace_b1(est, iters=iters, batch=batch)
+        runs = [
+            {name: _b1_once(name, est, iters, batch) for name in B1_SYSTEMS}
+            for _ in range(repeats)
+        ]
+        entry = {name: _median_run([r[name] for r in runs]) for name in B1_SYSTEMS}
+        ours = entry["cnftrace"]
         costs = b1.evaluation_costs(est, batch=batch)
         ours["floor_s"] = b1.floor_seconds(costs, ours["nfe_fwd"], ours["nfe_bwd"])
         ours["costs"] = costs
-        peer = None
-        if zuko_peer is not None:
-            peer = zuko_peer.zuko_b1(est == "exact", iters=iters, batch=batch)
-        out[est] = {"cnftrace": ours, "zuko": peer}
+        entry["runs"] = runs
+        out[est] = entry
     return out
 
 
+def _missing(name: str) -> str:
+    return ZUKO_MISSING if name == "zuko" else TFP_MISSING
+
+
+def _ratio(peer: dict | None, ours: dict) -> str:
+    return "—" if peer is None else f"{peer['s_per_iter'] / ours['s_per_iter']:.2f}×"
+
+
 def b1_markdown(res: dict) -> str:
+    peers = [n for n in B1_SYSTEMS if n != "cnftrace"]
+    blank = "| " * len(peers)
     lines = [
-        "| estimator | system | s/iter | first step (s) | NFE fwd | NFE bwd "
-        "| zuko / cnftrace |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| estimator | system | s/iter | first step (s) | NFE fwd | NFE bwd | "
+        + " | ".join(f"{B1_LABELS[n]} / cnftrace" for n in peers)
+        + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(peers),
     ]
-    for est, pair in res.items():
-        ours, peer = pair["cnftrace"], pair["zuko"]
-        ratio = (
-            "—" if peer is None else f"{peer['s_per_iter'] / ours['s_per_iter']:.2f}×"
-        )
-        for r in (ours, peer):
+    for est, entry in res.items():
+        ours = entry["cnftrace"]
+        ratios = " | ".join(_ratio(entry[n], ours) for n in peers)
+        for name in B1_SYSTEMS:
+            r = entry[name]
             if r is None:
-                lines.append(f"| {est} | {ZUKO_MISSING} | | | | | |")
+                lines.append(f"| {est} | {_missing(name)} | | | | | {blank}")
                 continue
             lines.append(
                 f"| {est} | {r['system']} | {r['s_per_iter']:.4f} | "
                 f"{r['first_step_s']:.2f} | {r['nfe_fwd']:.1f} | {r['nfe_bwd']:.1f} | "
-                f"{ratio if r is ours else ''} |"
+                + (f"{ratios} |" if r is ours else blank)
             )
+    repeats = len(next(iter(res.values()))["runs"])
+    if repeats > 1:
+        lines += [
+            "",
+            f"Medians of {repeats} runs above; each run below, in the order they ran "
+            "(the systems alternated):",
+            "",
+            "| estimator | round | system | s/iter | first step (s) | NFE fwd "
+            "| NFE bwd |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for est, entry in res.items():
+            for i, round_ in enumerate(entry["runs"], 1):
+                for name in B1_SYSTEMS:
+                    r = round_[name]
+                    if r is None:
+                        continue
+                    lines.append(
+                        f"| {est} | {i} | {r['system']} | {r['s_per_iter']:.4f} | "
+                        f"{r['first_step_s']:.2f} | {r['nfe_fwd']:.1f} | "
+                        f"{r['nfe_bwd']:.1f} |"
+                    )
     lines += [
         "",
         "Compute floor (bare jitted evaluations of the same network at the same batch,"
@@ -94,8 +186,8 @@ def b1_markdown(res: dict) -> str:
         "| floor (s/iter) | real / floor |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for est, pair in res.items():
-        ours = pair["cnftrace"]
+    for est, entry in res.items():
+        ours = entry["cnftrace"]
         c = ours["costs"]
         lines.append(
             f"| {est} | {c['f'] * 1e6:.0f} | {c['f_div'] * 1e6:.0f} | "
@@ -208,6 +300,16 @@ def targets_markdown(b1_res, b2_res, b3_res) -> str:
                         ratio >= TARGETS["speedup"],
                     )
                 )
+            tfp = b1_res[est].get("tfp")
+            if tfp is not None:
+                ratio = tfp["s_per_iter"] / s
+                rows.append(
+                    (
+                        f"B1 {est} ≥ {TARGETS['speedup_tfp']}× faster than TFP (JAX)",
+                        f"{ratio:.2f}×",
+                        ratio >= TARGETS["speedup_tfp"],
+                    )
+                )
             first = ours["first_step_s"]
             rows.append(
                 (
@@ -262,7 +364,14 @@ def targets_markdown(b1_res, b2_res, b3_res) -> str:
 
 def machine() -> str:
     versions = {"cnftrace": cnftrace.__version__, "jax": jax.__version__}
-    for name in ("equinox", "diffrax", "optax", "torch", "zuko"):
+    for name in (
+        "equinox",
+        "diffrax",
+        "optax",
+        "torch",
+        "zuko",
+        "tensorflow_probability",
+    ):
         try:
             versions[name] = __import__(name).__version__
         except ImportError:
@@ -285,8 +394,19 @@ def main(argv=None) -> int:
         "report then quotes its last run from experiments/results/b4.md)",
     )
     parser.add_argument("--out", default=None, help="report path (markdown)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="B1 rounds, the systems alternated in each (cnftrace, zuko, TFP, "
+        "cnftrace, ...); the report gives every run and the medians (default 2, "
+        "1 with --quick)",
+    )
     args = parser.parse_args(argv)
     sections = {s.strip() for s in args.only.split(",") if s.strip()}
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be positive; got {args.repeats}.")
+    repeats = args.repeats or (1 if args.quick else 2)
     unknown = sections - set(SECTIONS)
     if unknown:
         parser.error(
@@ -314,7 +434,7 @@ def main(argv=None) -> int:
 
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
-    b1_res = run_b1(**b1_args) if "b1" in sections else None
+    b1_res = run_b1(**b1_args, repeats=repeats) if "b1" in sections else None
     b2_res = run_b2(**b2_args) if "b2" in sections else None
     b2fm_res = run_b2_objectives(**b2_args) if "b2fm" in sections else None
     b4_res = b4.run_b4(**b4_args) if "b4" in sections else None
@@ -330,10 +450,13 @@ def main(argv=None) -> int:
         "# Benchmarks",
         "",
         f"Written by `python -m experiments.bench.run{' --quick' if args.quick else ''}"
-        f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}` on "
+        f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}"
+        f"{'' if args.repeats is None else f' --repeats {args.repeats}'}` on "
         f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `shared/BENCHMARK.md` and "
-        "`experiments/bench/common.py`; zuko's differences from the protocol: "
-        "`experiments/bench/zuko_peer.py`.",
+        "`experiments/bench/common.py`; the peers' differences from the protocol: "
+        "`experiments/bench/zuko_peer.py` (zuko, `pip install -e '.[bench]'`) and "
+        "`experiments/bench/tfp_peer.py` (TFP's JAX FFJORD, `pip install --pre -e "
+        "'.[peers]'`: tfp-nightly is a pre-release).",
         "",
         f"Machine: {machine()}.",
         "",
@@ -354,7 +477,12 @@ def main(argv=None) -> int:
             "## B1: toy training step (8gaussians, batch "
             f"{b1_args['batch']}, iterations 21–{b1_args['iters']})",
             "",
-            f"cnftrace: {b1_res['hutchinson']['cnftrace']['solver']}.",
+            f"cnftrace: {b1_res['hutchinson']['cnftrace']['solver']}."
+            + (
+                ""
+                if b1_res["hutchinson"]["tfp"] is None
+                else f" TFP (JAX): {tfp_peer.SOLVER}; {tfp_peer.NOTES}"
+            ),
             "",
             b1_markdown(b1_res),
         ]
