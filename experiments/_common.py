@@ -44,11 +44,21 @@ def environment() -> dict:
     }
 
 
+def _readable_temp(directory: str, suffix: str = "") -> tuple[int, str]:
+    """`tempfile.mkstemp` in `directory`, with the mode of a file opened normally
+    (mkstemp's 0600 would otherwise stay on the renamed result)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return fd, tmp
+
+
 def atomic_write(path: str, data: bytes) -> None:
     """Writes `data` to `path` by way of a temporary file beside it and a rename."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    fd, tmp = _readable_temp(directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -63,7 +73,7 @@ def atomic_savefig(fig, path: str, **kwargs) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     suffix = os.path.splitext(path)[1] or ".png"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    fd, tmp = _readable_temp(directory, suffix)
     os.close(fd)
     try:
         fig.savefig(tmp, **kwargs)

@@ -5,6 +5,7 @@ edits: if an experiment needs a private name, the public API is missing somethin
 import ast
 import glob
 import os
+import stat
 
 import pytest
 
@@ -83,3 +84,17 @@ def test_experiment_uses_the_public_api_only(path):
         source = f.read()
     assert private_cnftrace_names(source) == []
     assert "sys.path" not in source, "run it as `python -m experiments.<name>`"
+
+
+def test_results_are_written_with_the_mode_of_a_normal_file(tmp_path):
+    from experiments._common import atomic_write
+
+    umask = os.umask(0o022)
+    try:
+        path = tmp_path / "results.json"
+        atomic_write(str(path), b"{}")
+        assert path.read_bytes() == b"{}"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600
+        assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    finally:
+        os.umask(umask)

@@ -78,6 +78,10 @@ B1_LABELS = {"zuko": "zuko", "tfp": "TFP"}
 def _b1_once(system: str, est: str, iters: int, batch: int) -> dict | None:
     """One B1 run of `system`, or None where its package is not installed."""
     if system == "cnftrace":
+        # Every round compiles afresh, as a new process would without the
+        # persistent compilation cache (which this script leaves off): otherwise the
+        # second round's step would come from this process's in-memory cache.
+        jax.clear_caches()
         return b1.cnftrace_b1(est, iters=iters, batch=batch)
     if system == "zuko":
         if zuko_peer is None:
