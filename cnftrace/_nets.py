@@ -13,6 +13,25 @@ from ._checks import check_int
 from ._custom_types import Key
 
 
+def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
+    """`layer(x)` for a vector `x`, written `x @ W.T + b`: under `vmap` (a batch, or
+    the basis of an exact trace) the mapped axes then stay in front of the features,
+    where `W @ x` puts them behind, and XLA transposes activations and tangents to
+    match the elementwise operations that follow. For `MLPField` on B1's problem this
+    made a training step about a quarter faster with either estimator."""
+    out = x @ layer.weight.T
+    return out if layer.bias is None else out + layer.bias
+
+
+def _mlp(mlp: eqx.nn.MLP, x: Array) -> Array:
+    """`mlp(x)` for a vector `x`, through `_linear`: the same function as
+    equinox's own call (each activation applied to every unit), with the layers
+    written so that mapped axes stay in front."""
+    for layer in mlp.layers[:-1]:
+        x = jax.vmap(mlp.activation)(_linear(layer, x))
+    return jax.vmap(mlp.final_activation)(_linear(mlp.layers[-1], x))
+
+
 class ConcatSquashLinear(eqx.Module):
     """FFJORD's ConcatSquash layer: a linear map of `x` gated and shifted by time,
 
@@ -79,6 +98,8 @@ class ConcatSquashLinear(eqx.Module):
         if self.gate_context is not None:
             gate = gate + self.gate_context @ context
             shift = shift + self.shift_context @ context
+        # `self.linear(x)`, not `_linear`: FFJORD's layer trains faster this way with
+        # one probe (measured on B1: 0.040-0.043 s/step against 0.045-0.050).
         return self.linear(x) * jax.nn.sigmoid(gate) + shift
 
 
@@ -287,4 +308,4 @@ class MLPField(eqx.Module):
                     f"{self.context_dim})`."
                 )
             inputs.append(jnp.asarray(args, y.dtype))
-        return self.mlp(jnp.concatenate(inputs))
+        return _mlp(self.mlp, jnp.concatenate(inputs))

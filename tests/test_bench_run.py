@@ -129,3 +129,53 @@ def test_first_step_report_and_arguments():
     for bad in (["--estimators", "exact,nope"], ["--warm-runs", "0"]):
         with pytest.raises(SystemExit):
             first_step.main(bad)
+
+
+def test_b4_saves_each_density_and_keeps_earlier_rows(tmp_path, monkeypatch):
+    """`python -m experiments.bench.b4` writes each density's row as soon as it is
+    done, keeping the rows of an earlier run it does not redo: a run stopped halfway
+    loses nothing it finished."""
+    from experiments.bench import b4
+
+    stem = str(tmp_path / "b4")
+    ours = {"system": "cnftrace", "train_s": 10.0, "gap": 0.01, "gap_se": 0.001}
+    peer = {"system": "zuko", "train_s": 50.0, "gap": 0.02, "gap_se": 0.002}
+    peer["at_cnftrace_s"] = {"seconds": 10.0, "step": 40, "gap": 0.09, "gap_se": 0.01}
+    old = {"dim": 5, "steps": 3, "batch": 8, "n_test": 10, "measured": "then"}
+    with open(stem + ".json", "w") as f:
+        json.dump({"product5": dict(old, cnftrace=ours, zuko={"missing": "x"})}, f)
+
+    def fake_run_b4(names, steps, batch, test_size, on_row, equal_seconds_only):
+        assert names == ("rings", "8gaussians") and not equal_seconds_only
+        row = dict(old, dim=2, measured="now", cnftrace=ours, zuko=peer)
+        on_row("rings", row)
+        raise KeyboardInterrupt  # stopped before 8gaussians
+
+    monkeypatch.setattr(b4, "run_b4", fake_run_b4)
+    with pytest.raises(KeyboardInterrupt):
+        b4.main(["--densities", "rings,8gaussians", "--out", stem])
+    saved = json.load(open(stem + ".json"))
+    assert list(saved) == ["product5", "rings"]  # B4's order, the old row kept
+    assert saved["rings"]["measured"] == "now"
+    md = open(stem + ".md").read()
+    assert "| product5 | 5 | 3 × 8 |" in md and "| then |" in md
+    assert "| rings | 2 | 3 × 8 | 0.0100 ± 0.0010 |" in md
+    assert "0.0900 ± 0.0100 (40) | cnftrace | cnftrace | now |" in md
+    with pytest.raises(SystemExit):
+        b4.main(["--densities", "moons", "--out", stem])
+
+    # zuko stopped at cnftrace's seconds: an equal-seconds figure, no equal-steps one.
+    def stopped_run_b4(names, steps, batch, test_size, on_row, equal_seconds_only):
+        assert equal_seconds_only
+        at = {"seconds": 10.0, "step": 41, "gap": 0.3, "gap_se": 0.01}
+        short = dict(peer, gap=None, gap_se=None, at_cnftrace_s=at)
+        on_row("mixture12", dict(old, dim=12, cnftrace=ours, zuko=short))
+
+    monkeypatch.setattr(b4, "run_b4", stopped_run_b4)
+    b4.main(["--densities", "mixture12", "--equal-seconds-only", "--out", stem])
+    md = open(stem + ".md").read()
+    assert list(json.load(open(stem + ".json"))) == ["product5", "mixture12", "rings"]
+    assert (
+        "| — (stopped at cnftrace's seconds) | 50 | 0.3000 ± 0.0100 (41) | not run "
+        "| cnftrace |" in md
+    )

@@ -47,16 +47,21 @@ def test_hutchinson_is_unbiased(sampler):
     assert abs(mean - exact) < 4 * se, (mean, exact, se)
 
 
-def test_hutchinson_value_for_given_probes():
+@pytest.mark.parametrize("num_probes", [1, 3])  # one probe takes a path without vmap
+def test_hutchinson_value_for_given_probes(num_probes):
     y = jr.normal(jr.key(4), (4,))
     jac = jax.jacfwd(_field)(y)
-    est = cnftrace.Hutchinson(num_probes=3)
+    est = cnftrace.Hutchinson(num_probes=num_probes)
     probes = est.draw(jr.key(5), y.shape, y.dtype)
-    assert probes.shape == (3, 4)
+    assert probes.shape == (num_probes, 4)
     fy, div = est.estimate(_field, y, probes)
     expected = jnp.mean(jnp.einsum("ki,ij,kj->k", probes, jac, probes))
     np.testing.assert_allclose(div, expected, rtol=1e-13)
     np.testing.assert_allclose(fy, _field(y), rtol=1e-14)
+    # The Frobenius estimate E|J eps|^2 from the same JVPs.
+    _, _, frob = est.estimate_with_jacobian_norm(_field, y, probes)
+    expected = jnp.mean(jnp.sum((probes @ jac.T) ** 2, axis=1))
+    np.testing.assert_allclose(frob, expected, rtol=1e-13)
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)

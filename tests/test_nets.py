@@ -147,3 +147,26 @@ def test_known_densities_jit():
     x = density.sample(jr.key(0), 5)
     lp = eqx.filter_jit(lambda d, x: d.log_prob(x))(density, x)
     np.testing.assert_allclose(lp, density.log_prob(x), rtol=1e-12)
+
+
+def test_concat_squash_layer_closed_form_and_under_vmap():
+    """FFJORD's layer `(W x + b) * sigmoid(w_g t + b_g) + w_s t`, by hand, for one
+    sample and for a batch (the batched form is how a flow evaluates it)."""
+    layer = cnftrace.ConcatSquashLinear(3, 5, key=jr.key(0))
+    x = jr.normal(jr.key(1), (4, 3))
+    t = 0.3
+    w, b, gw, gb, sw = map(
+        np.asarray,
+        (
+            layer.linear.weight,
+            layer.linear.bias,
+            layer.gate_weight,
+            layer.gate_bias,
+            layer.shift_weight,
+        ),
+    )
+    gate = 1 / (1 + np.exp(-(gw * t + gb)))
+    expected = (np.asarray(x) @ w.T + b) * gate + sw * t
+    np.testing.assert_allclose(layer(t, x[0]), expected[0], rtol=1e-13)
+    batched = eqx.filter_vmap(layer, in_axes=(None, 0))(t, x)
+    np.testing.assert_allclose(batched, expected, rtol=1e-13)

@@ -129,10 +129,19 @@ def cnftrace_b4(target: Target, steps: int, batch: int, test, seed: int = 0) -> 
 
 
 def run_b4(
-    names=DENSITIES, steps: int = 2000, batch: int = 512, test_size: int = 20_000
+    names=DENSITIES,
+    steps: int = 2000,
+    batch: int = 512,
+    test_size: int = 20_000,
+    on_row=None,
+    equal_seconds_only: bool = False,
 ) -> dict:
     """B4 for every density in `names`: cnftrace first, then zuko, evaluated at
-    cnftrace's training time and at its own end."""
+    cnftrace's training time and at its own end. `on_row(name, row)`, if given, is
+    called as each density's row is complete (a long run saves as it goes). With
+    `equal_seconds_only`, zuko stops at cnftrace's training seconds: its row has the
+    equal-seconds gap and no equal-steps gap (zuko's full run takes 4-8 times
+    cnftrace's)."""
     try:
         from experiments.bench import zuko_peer
     except ImportError as e:  # the bench extra is not installed
@@ -143,6 +152,7 @@ def run_b4(
         test = target.test_set(test_size)
         true = target.true_log_prob(test)
         row = {"dim": target.dim, "steps": steps, "batch": batch, "n_test": test_size}
+        row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
         row["test_true_nll"] = None if true is None else float(-true.mean())
         row["cnftrace"] = ours = cnftrace_b4(target, steps, batch, test)
         print(f"B4 {name}: cnftrace {ours}", flush=True)
@@ -156,10 +166,22 @@ def run_b4(
                 batch,
                 np.asarray(test),
                 eval_at_s=(ours["train_s"],),
+                max_train_s=ours["train_s"] if equal_seconds_only else None,
             )
             peer = {"system": z["system"], "train_s": z["train_s"]}
+            peer["steps_done"] = z["steps_done"]
             peer["gap"], peer["gap_se"] = gap_and_se(target, test, z["final_logp"])
-            if z["at_s"]:
+            if equal_seconds_only:
+                # Stopped at cnftrace's seconds: its final model is the equal-seconds
+                # one, and there is no equal-steps figure.
+                peer["at_cnftrace_s"] = {
+                    "seconds": ours["train_s"],
+                    "step": z["steps_done"],
+                    "gap": peer["gap"],
+                    "gap_se": peer["gap_se"],
+                }
+                peer["gap"] = peer["gap_se"] = None
+            elif z["at_s"]:
                 seconds, step, logp = z["at_s"][0]
                 gap, se = gap_and_se(target, test, logp)
                 peer["at_cnftrace_s"] = {"seconds": seconds, "step": step, "gap": gap}
@@ -174,6 +196,8 @@ def run_b4(
             row["zuko"] = peer
             print(f"B4 {name}: zuko {peer}", flush=True)
         out[name] = row
+        if on_row is not None:
+            on_row(name, row)
     return out
 
 
@@ -181,8 +205,8 @@ def b4_markdown(res: dict) -> str:
     lines = [
         "| density | d | steps × batch | cnftrace gap | cnftrace s | zuko gap (equal "
         "steps) | zuko s | zuko gap at cnftrace's seconds (its step) | equal steps "
-        "| equal seconds |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+        "| equal seconds | measured |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for name, row in res.items():
         ours, peer = row["cnftrace"], row["zuko"]
@@ -190,17 +214,22 @@ def b4_markdown(res: dict) -> str:
             f"| {name} | {row['dim']} | {row['steps']} × {row['batch']} | "
             f"{ours['gap']:.4f} ± {ours['gap_se']:.4f} | {ours['train_s']:.0f} |"
         )
+        when = row.get("measured", "2026-11-23")
         if "missing" in peer:
-            lines.append(head + f" zuko not run: {peer['missing']} | | | | |")
+            lines.append(head + f" zuko not run: {peer['missing']} | | | | | {when} |")
             continue
         at = peer["at_cnftrace_s"]
-        steps_ok = ours["gap"] <= peer["gap"]
         secs_ok = ours["gap"] < at["gap"]
+        if peer["gap"] is None:  # stopped at cnftrace's seconds
+            equal_steps = "— (stopped at cnftrace's seconds)"
+            steps_winner = "not run"
+        else:
+            equal_steps = f"{peer['gap']:.4f} ± {peer['gap_se']:.4f}"
+            steps_winner = "cnftrace" if ours["gap"] <= peer["gap"] else "zuko"
         lines.append(
-            head + f" {peer['gap']:.4f} ± {peer['gap_se']:.4f} | "
-            f"{peer['train_s']:.0f} | {at['gap']:.4f} ± {at['gap_se']:.4f} "
-            f"({at['step']}) | {'cnftrace' if steps_ok else 'zuko'} | "
-            f"{'cnftrace' if secs_ok else 'zuko'} |"
+            head + f" {equal_steps} | {peer['train_s']:.0f} | {at['gap']:.4f} ± "
+            f"{at['gap_se']:.4f} ({at['step']}) | {steps_winner} | "
+            f"{'cnftrace' if secs_ok else 'zuko'} | {when} |"
         )
     return "\n".join(lines)
 
@@ -213,9 +242,10 @@ def section_markdown(res: dict, command: str) -> str:
     """B4's section of the benchmark report: how it was measured, then the table."""
     return "\n".join(
         [
-            f"Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M %Z')}; "
-            f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-            f" on {os.cpu_count()} CPUs. Gap = model NLL − true NLL on the same "
+            f"Last written by `{command}` on {time.strftime('%Y-%m-%d %H:%M %Z')} "
+            "(each row's own run in its last column); load average then "
+            f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} "
+            "CPUs. Gap = model NLL − true NLL on the same "
             f"held-out points, exact trace, ± paired standard error (rings: against "
             "its entropy). cnftrace: the README's first example (`MLPField(d)`, "
             "`CNF(field, d)`, `fit` with its defaults, given the steps and the batch "
@@ -236,14 +266,53 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--out", default=RESULTS_STEM, help="results stem (.json and .md)"
     )
+    parser.add_argument(
+        "--equal-seconds-only",
+        action="store_true",
+        help="stop zuko at cnftrace's training seconds (no equal-steps figure)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new table instead of updating the rows of the last run",
+    )
     args = parser.parse_args(argv)
-    names = tuple(args.densities.split(","))
-    res = run_b4(names, args.steps, args.batch, args.test_size)
+    names = tuple(n.strip() for n in args.densities.split(",") if n.strip())
+    unknown = sorted(set(names) - set(DENSITIES))
+    if unknown:
+        parser.error(f"--densities: unknown {unknown}; choose from {DENSITIES}.")
     command = "python -m experiments.bench.b4 " + " ".join(argv or sys.argv[1:])
-    md = section_markdown(res, command.strip())
-    print(md)
-    atomic_write(args.out + ".json", json.dumps(res, indent=1).encode())
-    atomic_write(args.out + ".md", (md + "\n").encode())
+    # Rows of earlier runs are kept (each row says when it was measured) unless
+    # --fresh; every finished density is written at once, so a stopped run keeps
+    # the rows it finished.
+    table = {} if args.fresh else load_results(args.out)
+
+    def save(name, row):
+        table[name] = row
+        ordered = {n: table[n] for n in DENSITIES if n in table}
+        atomic_write(args.out + ".json", json.dumps(ordered, indent=1).encode())
+        md = section_markdown(ordered, command.strip())
+        atomic_write(args.out + ".md", (md + "\n").encode())
+
+    run_b4(
+        names,
+        args.steps,
+        args.batch,
+        args.test_size,
+        on_row=save,
+        equal_seconds_only=args.equal_seconds_only,
+    )
+    with open(args.out + ".md") as f:
+        print(f.read())
+
+
+def load_results(stem: str) -> dict:
+    """The rows of the last run written at `stem` (.json), or none."""
+    try:
+        with open(stem + ".json") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 if __name__ == "__main__":

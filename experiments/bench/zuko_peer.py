@@ -262,11 +262,13 @@ def zuko_b4(
     seed: int = 0,
     lr: float = 1e-3,
     threads: int | None = None,
+    max_train_s: float | None = None,
 ) -> dict:
     """B4: train zuko's CNF for `steps` steps of `batch` samples from `sample(key, n)`
     (a JAX sampler, the same as cnftrace's), with the exact per-sample log-densities
     of `test` at each training second in `eval_at_s` and at the end (evaluations off
-    the clock)."""
+    the clock). With `max_train_s`, training stops once that many seconds are spent
+    (`steps_done` says where)."""
     threads = _setup_torch(seed, threads)
     flow = _b4_flow(dim)
     opt = torch.optim.Adam(flow.parameters(), lr=lr)
@@ -287,8 +289,11 @@ def zuko_b4(
         train_s += time.perf_counter() - t0
         while pending and train_s >= pending[0]:
             at_s.append((pending.pop(0), i + 1, _log_prob_chunks(flow, x_test)))
+        if max_train_s is not None and train_s >= max_train_s:
+            break
     return {
         "system": f"zuko {zuko.__version__}",
+        "steps_done": i + 1,
         "train_s": train_s,
         "final_logp": _log_prob_chunks(flow, x_test),
         "at_s": at_s,
