@@ -37,7 +37,9 @@ from ._trainer import (
     Trainer,
     TrainState,
     _step_donating,
+    copy_arrays,
     default_optimizer,
+    step_program,
 )
 
 
@@ -315,7 +317,7 @@ class _Loop:
         self.state = state
         # A copy of its own: the state is donated to each step.
         if best is None:
-            best = jax.tree_util.tree_map(jnp.copy, _params(state.flow))
+            best = copy_arrays(_params(state.flow))
         self.best = best
         # Validation keys (used only by stochastic validation estimators) are kept
         # apart from the training keys `fold_in(key, step)`.
@@ -383,9 +385,12 @@ class _Loop:
             unit="it",
         )
         every = None if self.checkpoints is None else self.checkpoints.every
+        # The step's gradient as stored by an earlier process, if there is one
+        # (with the compilation cache on): no tracing it again.
+        program = step_program(self.trainer, self.state)
         for i in bar:
             done = i + 1
-            self.state, info = _step_donating(self.trainer, self.state)
+            self.state, info = _step_donating(self.trainer, self.state, program)
             log_now = done % log_every == 0 or done == steps
             checkpoint_now = every is not None and (done % every == 0 or done == steps)
             validate_now = self.validation is not None and (
@@ -454,7 +459,7 @@ class _Loop:
         _history.append_validation(self.history, done, val.mean, val.stderr)
         self.log.write({"step": done, "val_nll": val.mean, "val_stderr": val.stderr})
         if self._validations_since_best() == 0:
-            self.best = jax.tree_util.tree_map(jnp.copy, _params(self.state.flow))
+            self.best = copy_arrays(_params(self.state.flow))
         return dict(record, val_nll=val.mean, val_stderr=val.stderr)
 
     def _validations_since_best(self) -> int:

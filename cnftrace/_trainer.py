@@ -6,6 +6,7 @@ records the step and diffrax's result. Nothing raises inside the compiled step;
 `Trainer.check` raises on the host, wherever the caller syncs.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from ._flow import AbstractFlow
 from ._matching import SHORTHANDS
 from ._objectives import AbstractObjective, MaximumLikelihood
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
+from ._stepcache import enabled as stepcache_enabled, exported_grads
 
 DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
 OBJECTIVES = ("mle", "fm", "ot-fm")
@@ -111,6 +113,27 @@ class TrainState(eqx.Module):
     failed_step: Int[Array, ""]
     result: diffrax.RESULTS
     bad_batch_step: Int[Array, ""]
+
+
+def _committed(x):
+    if isinstance(x, np.ndarray):
+        x = jnp.asarray(x)
+    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
+
+
+@eqx.filter_jit
+def copy_arrays(tree):
+    """`tree` with each array copied into a buffer of its own, in one program."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+@eqx.filter_jit
+def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
+    """A copy of `params` in buffers of its own, and the optimiser's fresh state if
+    `init`: one program (run op by op, the optimiser's `init` compiles a program for
+    each parameter shape)."""
+    copy = jax.tree_util.tree_map(jnp.copy, params)
+    return copy, optimizer.init(params) if init else None
 
 
 def _all_finite(tree) -> Array:
@@ -258,7 +281,8 @@ class Trainer(eqx.Module):
         conditional = flow.context_dim is not None
         if isinstance(self.sample, _GeneratorSampler):
             what = "data(key, batch_size)"
-            first = self.sample.data(jr.key(0), 2)
+            # Jitted, as in the step: one small program instead of one per operation.
+            first = jax.jit(self.sample.data, static_argnums=1)(jr.key(0), 2)
             if conditional and not (isinstance(first, tuple) and len(first) == 2):
                 raise ValueError(
                     f"the flow is conditional, so `{what}` must return a pair "
@@ -290,9 +314,8 @@ class Trainer(eqx.Module):
         self.check_data(flow)
         self.objective.check(flow)
         params, static = eqx.partition(flow, eqx.is_inexact_array)
-        params = jax.tree_util.tree_map(jnp.copy, params)
-        if opt_state is None:
-            opt_state = self.optimizer.init(params)
+        params, fresh = _copy_and_init(params, self.optimizer, opt_state is None)
+        opt_state = fresh if opt_state is None else opt_state
         # Distinct buffers: the step that `fit` runs donates each of them.
         zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         state = TrainState(
@@ -310,7 +333,12 @@ class Trainer(eqx.Module):
     def placed(self, state: TrainState) -> TrainState:
         """`state` with its arrays replicated over the mesh (as is, on one
         device)."""
-        return state if self.mesh is None else self.mesh.replicate(state)
+        if self.mesh is not None:
+            return self.mesh.replicate(state)
+        # The step returns JAX arrays committed to its device; a first state of
+        # NumPy leaves (diffrax's result codes) or uncommitted arrays would make the
+        # second step compile (or load) a second program.
+        return jax.tree_util.tree_map(_committed, state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         """One training step, jitted: draws a batch and the loss's randomness from
@@ -364,34 +392,81 @@ class Trainer(eqx.Module):
             )
 
 
-def _train_step(trainer: Trainer, state: TrainState):
-    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
-    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
-    if trainer.mesh is not None:
-        # Every process draws the same global batch; each device keeps its part.
-        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
-    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
+def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, key):
+    """The objective's value and gradient at the parameters `leaves` (the flow's
+    inexact arrays, flattened by `treedef`; `static` is the rest of the flow), on
+    batch `x` with key data `key` of implementation `impl`. Returns only arrays in
+    plain containers, so that it can be exported and stored (`_stepcache`):
+    `(loss, info, grads, backward)`, with `info`'s solver statistics as `nfe` and
+    `result` (diffrax's result code)."""
+    key = jr.wrap_key_data(key, impl=impl)
     # The gradient with respect to `counter` counts the backward pass's evaluations
     # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
-    count = _discrete_adjoints(state.flow)
-    counter = jnp.zeros((), batch.dtype) if count else None
+    counter = jnp.zeros((), x.dtype) if count else None
 
-    def loss_fn(params, counter):
-        flow = eqx.combine(params, static)
-        return trainer.objective.loss(flow, batch, ctx, loss_key, counter)
+    def loss_fn(leaves, counter):
+        flow = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
+        return objective.loss(flow, x, ctx, key, counter)
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    (loss, metrics), (grads, backward) = grad_fn(params, counter)
+    (loss, metrics), (grads, backward) = grad_fn(leaves, counter)
     info = dict(metrics)
     stats = info.pop("stats", None)
     result = diffrax.RESULTS.successful
     if stats is not None:
         info.setdefault("nfe", stats.total_nfe)
         result = stats.first_failure()
+    info["result"] = jax.tree_util.tree_leaves(result)[0]
+    info = {k: jnp.asarray(v) for k, v in info.items()}
+    return loss, info, grads, backward
+
+
+_RESULT_TREE = jax.tree_util.tree_structure(diffrax.RESULTS.successful)
+
+
+def step_program(trainer: Trainer, state: TrainState):
+    """The stored form of the step's gradient (`_stepcache.exported_grads`) for this
+    trainer and state, or `None` (cache off, a model the cache cannot describe, or a
+    mesh)."""
+    if trainer.mesh is not None or not stepcache_enabled():
+        return None
+    fn, fixed, args = _grad_parts(trainer, state)
+    objective, static, _, impl, count = fixed
+    # What the key describes: the tree structure as the parameters' dtypes and
+    # shapes in their places (a PyTreeDef cannot be described).
+    params = eqx.filter(state.flow, eqx.is_inexact_array)
+    places = jax.tree_util.tree_map(lambda x: f"{x.dtype}{x.shape}", params)
+    return exported_grads(fn, (objective, static, places, impl, count), args)
+
+
+def _grad_parts(trainer: Trainer, state: TrainState, batch=None, ctx=None, key=None):
+    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if batch is None:  # shapes only, for the cache's key
+        batch, ctx = jax.eval_shape(
+            lambda k: trainer.sample(k, trainer.batch_size)[:2], trainer.key
+        )
+        key = jax.eval_shape(lambda k: jr.key_data(jr.split(k)[0]), trainer.key)
+    impl = str(jr.key_impl(trainer.key))
+    fixed = (trainer.objective, static, treedef, impl, _discrete_adjoints(state.flow))
+    return functools.partial(_objective_grads, *fixed), fixed, (leaves, batch, ctx, key)
+
+
+def _train_step(trainer: Trainer, state: TrainState, program=None):
+    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
+    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
+    if trainer.mesh is not None:
+        # Every process draws the same global batch; each device keeps its part.
+        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
+    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
+    fn, _, args = _grad_parts(trainer, state, batch, ctx, jr.key_data(loss_key))
+    loss, info, grads, backward = (fn if program is None else program)(*args)
+    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), grads)
+    result = jax.tree_util.tree_unflatten(_RESULT_TREE, [info.pop("result")])
     info.setdefault("loss", loss)
     if "nfe_backward" not in info:
         info["nfe_backward"] = (
-            jnp.round(backward).astype(int) if count else jnp.asarray(-1)
+            jnp.round(backward).astype(int) if backward is not None else jnp.asarray(-1)
         )
 
     updates, new_opt_state = trainer.optimizer.update(grads, state.opt_state, params)

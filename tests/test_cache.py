@@ -46,9 +46,20 @@ def test_a_second_process_loads_the_training_step_and_the_evaluation(tmp_path):
     # No host callback in either program, so both were written.
     assert any(f.startswith(STEP) for f in stored), stored
     assert any(f.startswith(EVAL) for f in stored), stored
+    # Two steps, one program: the first state is committed to its device like the
+    # ones the step returns (else the second step compiles again).
+    assert cold["missed"].count(STEP) == 1, cold["missed"]
+    # The step's gradient was traced and stored by the cold process ...
+    assert cold["traced"] == 1
+    [(key, from_disk)] = cold["stored_steps"]
+    assert not from_disk
+    assert os.listdir(cache / "cnftrace-steps") == [key + ".jaxexport"]
     warm = _probe(cache)
     assert {STEP, EVAL} <= set(warm["loaded"])
     assert STEP not in warm["missed"] and EVAL not in warm["missed"]
+    # ... and read back, not traced, by the warm one, which computes the same.
+    assert warm["traced"] == 0 and warm["stored_steps"] == [[key, True]]
+    assert warm["losses"] == cold["losses"] and len(cold["losses"]) == 2
     assert cold["finite"] and warm["finite"]
 
 

@@ -1,6 +1,8 @@
-"""One training step and one chunked evaluation of a tiny flow, in a process of its
-own, with the compilation cache on (`enable_compilation_cache(argv[1])`). Prints
-one JSON line: the programs JAX compiled and those it loaded from the cache."""
+"""Two training steps (`fit`) and one chunked evaluation of a tiny flow, in a process
+of its own, with the compilation cache on (`enable_compilation_cache(argv[1])`).
+Prints one JSON line: the programs JAX compiled and those it loaded from the cache,
+the losses, how often the objective's gradient was traced, and the stored training
+steps this process used (key, whether read from disk)."""
 
 import json
 import logging
@@ -11,6 +13,7 @@ import jax
 import jax.random as jr
 
 import cnftrace
+from cnftrace import _stepcache, _trainer
 
 
 class _Programs(logging.Handler):
@@ -32,15 +35,31 @@ logger = logging.getLogger("jax._src.compiler")
 logger.setLevel(logging.DEBUG)
 logger.addHandler(programs)
 
+# Each trace of the objective's gradient (none where the stored step is loaded).
+traced = []
+_grads = _trainer._objective_grads
+
+
+def _counting(*args, **kwargs):
+    traced.append(1)
+    return _grads(*args, **kwargs)
+
+
+_trainer._objective_grads = _counting
+
 directory = cnftrace.enable_compilation_cache(sys.argv[1])
 flow = cnftrace.CNF(cnftrace.MLPField(2, width=4, depth=1, key=jr.key(0)), 2)
 # A data function: its batches are checked in the step, by a flag, not a callback.
-trainer = cnftrace.Trainer(
-    lambda k, n: jr.normal(k, (n, 2)), key=jr.key(1), batch_size=8
+trained, history = cnftrace.fit(
+    flow,
+    lambda k, n: jr.normal(k, (n, 2)),
+    key=jr.key(1),
+    steps=2,
+    batch_size=8,
+    log_every=1,
+    progress=False,
 )
-state, info = trainer.step(trainer.init(flow))
-trainer.check(state)
-logp = cnftrace.log_prob_batched(state.flow, jr.normal(jr.key(2), (6, 2)), batch_size=6)
+logp = cnftrace.log_prob_batched(trained, jr.normal(jr.key(2), (6, 2)), batch_size=6)
 print(
     json.dumps(
         {
@@ -49,6 +68,11 @@ print(
             "loaded": programs.loaded,
             "missed": programs.missed,
             "finite": bool(abs(logp).max() < 1e6),
+            "losses": [float(v) for v in history["loss"]],
+            "traced": len(traced),
+            "stored_steps": sorted(
+                (key, program.loaded) for key, program in _stepcache._LOADED.items()
+            ),
         }
     )
 )

@@ -1,0 +1,311 @@
+"""The training step's gradient, traced once and kept on disk beside the compilation
+cache.
+
+JAX's persistent compilation cache (`_cache.py`) keys a compiled program by the
+program itself, so a new process must trace and lower its training step before it can
+find it: about 2 s for a CNF on a CPU, most of it diffrax's solve and its
+checkpointed backward pass. This module stores that traced program (the gradient of
+the objective with respect to the flow's parameters, exported with `jax.export`) so
+that a later process with the same flow, objective, shapes and library versions
+deserializes it instead of tracing it, and then finds its compiled form in the
+compilation cache.
+
+A stored program is only correct for the exact Python objects it was traced from, so
+its key describes all of them: every static field of the flow and the objective
+(recursively, closures included), the shapes and dtypes of every input, the versions
+of jax, jaxlib and the libraries the step calls, the source of cnftrace itself and the
+JAX settings that change tracing. Anything the description cannot vouch for (a class,
+function or object defined outside cnftrace and the libraries it versions, such as a
+user's own vector field) makes the step uncacheable, and it is traced as usual.
+"""
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+from ._cache import OPT_OUT
+
+FORMAT = "cnftrace-step-v1"
+SUBDIR = "cnftrace-steps"
+SUFFIX = ".jaxexport"
+# The oldest stored programs are deleted beyond this many bytes (one is ~1 MB).
+MAX_BYTES = 256 * 1024**2
+
+# Code from these packages is described by its version (and cnftrace by a hash of its
+# source); code from anywhere else is not described at all, so it is uncacheable.
+_VERSIONED = (
+    "jax",
+    "jaxlib",
+    "equinox",
+    "diffrax",
+    "lineax",
+    "optimistix",
+    "optax",
+    "numpy",
+    "jaxtyping",
+)
+_ROOTS = frozenset(_VERSIONED) | {"cnftrace", "builtins", "math", "operator"}
+# The JAX settings that change what a function traces to.
+_CONFIG = (
+    "jax_enable_x64",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_enable_checks",
+    "jax_debug_nans",
+    "jax_debug_infs",
+)
+_MAX_DEPTH = 64
+
+# Programs found or exported by this process, by key: a second `fit` with the same
+# model reuses the same object, and with it the jitted step's compiled program.
+_LOADED: dict[str, "ExportedGrads"] = {}
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _allowed(module: str | None) -> bool:
+    return module is not None and module.split(".")[0] in _ROOTS
+
+
+def _describe(obj: Any, out: list[str], depth: int = 0) -> None:
+    """Append a description of `obj` to `out` that two objects share only if tracing
+    them gives the same program; raise `_Uncacheable` where that cannot be said."""
+    if depth > _MAX_DEPTH:
+        raise _Uncacheable("too deep")
+    d = depth + 1
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        out.append(f"{type(obj).__name__}:{obj!r}")
+    elif isinstance(obj, enum.Enum):
+        _describe(type(obj), out, d)
+        out.append(f"member:{obj.name}")
+    elif isinstance(obj, type):
+        if not _allowed(obj.__module__):
+            raise _Uncacheable(f"class {obj.__module__}.{obj.__qualname__}")
+        out.append(f"class:{obj.__module__}.{obj.__qualname__}")
+    elif isinstance(obj, (np.dtype, np.generic)):
+        out.append(f"{type(obj).__name__}:{obj!r}")
+    elif isinstance(obj, (jax.Array, np.ndarray)):
+        if isinstance(obj, jax.core.Tracer):
+            raise _Uncacheable("a tracer")
+        if jax.dtypes.issubdtype(obj.dtype, jax.dtypes.prng_key):
+            out.append(f"key:{jr.key_impl(obj)}")
+            obj = jr.key_data(obj)
+        a = np.asarray(obj)
+        digest = hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+        out.append(f"array:{a.dtype}{a.shape}:{digest}")
+    elif isinstance(obj, (tuple, list, frozenset, set)):
+        out.append(f"{type(obj).__name__}[{len(obj)}]")
+        items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        for item in items:
+            _describe(item, out, d)
+        if isinstance(obj, tuple) and type(obj) is not tuple:  # a namedtuple
+            _describe(type(obj), out, d)
+    elif isinstance(obj, dict):
+        out.append(f"dict[{len(obj)}]")
+        for k in sorted(obj, key=repr):
+            _describe(k, out, d)
+            _describe(obj[k], out, d)
+    elif isinstance(obj, eqx.Module) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    ):
+        _describe(type(obj), out, d)
+        for field in dataclasses.fields(obj):
+            out.append(f"field:{field.name}")
+            _describe(getattr(obj, field.name, None), out, d)
+    elif isinstance(obj, functools.partial):
+        out.append("partial")
+        _describe(obj.func, out, d)
+        _describe(obj.args, out, d)
+        _describe(obj.keywords, out, d)
+    elif isinstance(obj, types.MethodType):
+        out.append("method")
+        _describe(obj.__func__, out, d)
+        _describe(obj.__self__, out, d)
+    elif isinstance(obj, types.FunctionType):
+        if not _allowed(obj.__module__):
+            raise _Uncacheable(f"function {obj.__module__}.{obj.__qualname__}")
+        out.append(f"function:{obj.__module__}.{obj.__qualname__}")
+        for cell in obj.__closure__ or ():
+            _describe(cell.cell_contents, out, d)
+        _describe(obj.__defaults__, out, d)
+        _describe(obj.__kwdefaults__, out, d)
+    elif isinstance(obj, (types.BuiltinFunctionType, np.ufunc)):
+        module = getattr(obj, "__module__", None) or "numpy"
+        if not _allowed(module):
+            raise _Uncacheable(f"builtin {module}.{obj.__name__}")
+        out.append(f"builtin:{module}.{obj.__name__}")
+    elif _allowed(type(obj).__module__) and hasattr(obj, "__wrapped__"):
+        # jax.jit's and functools.wraps's wrappers (jax.nn's activations).
+        out.append(f"wrapper:{type(obj).__module__}.{type(obj).__qualname__}")
+        _describe(obj.__wrapped__, out, d)
+    elif _allowed(type(obj).__module__) and hasattr(obj, "fun"):
+        # jax.custom_jvp and jax.custom_vjp functions (jax.nn.relu).
+        out.append(f"custom:{type(obj).__module__}.{type(obj).__qualname__}")
+        for name in ("fun", "jvp", "fwd", "bwd", "nondiff_argnums"):
+            _describe(getattr(obj, name, None), out, d)
+    else:
+        raise _Uncacheable(f"an object of type {type(obj).__qualname__}")
+
+
+@functools.cache
+def _environment() -> str:
+    """The library versions and a hash of cnftrace's own source."""
+    parts = [FORMAT]
+    for name in _VERSIONED:
+        try:
+            parts.append(f"{name}={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{name}=none")
+    source = hashlib.sha256()
+    root = os.path.dirname(os.path.abspath(__file__))
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                source.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    source.update(f.read())
+    parts.append(f"cnftrace-source={source.hexdigest()}")
+    return "\n".join(parts)
+
+
+def _aval(x) -> str:
+    return "none" if x is None else f"{jnp.dtype(x.dtype)}{tuple(x.shape)}"
+
+
+def step_key(static: Any, args: tuple) -> str | None:
+    """The key of a gradient program traced from `static` (the objective, the flow's
+    static part, the parameters' tree structure and the key's implementation) for
+    inputs like `args`; `None` if some part of `static` cannot be described."""
+    out = [_environment(), f"backend:{jax.default_backend()}"]
+    out += [f"{name}={getattr(jax.config, name, None)!r}" for name in _CONFIG]
+    try:
+        _describe(static, out)
+    except _Uncacheable:
+        return None
+    out += [_aval(x) for x in jax.tree_util.tree_leaves(args)]
+    out.append(str(jax.tree_util.tree_structure(args)))
+    return hashlib.sha256("\n".join(out).encode()).hexdigest()
+
+
+def enabled() -> bool:
+    """Whether the compilation cache is on (and so this one is)."""
+    if os.environ.get(OPT_OUT, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return bool(jax.config.jax_enable_compilation_cache) and bool(
+        jax.config.jax_compilation_cache_dir
+    )
+
+
+class ExportedGrads:
+    """A deserialized gradient program, called inside the jitted step. Hashed by
+    identity: the jitted step treats it as a static argument."""
+
+    def __init__(self, exported: jax.export.Exported, key: str, loaded: bool):
+        self.exported = exported
+        self.key = key
+        self.loaded = loaded  # read from disk (True) or traced by this process
+
+    def __call__(self, *args):
+        return self.exported.call(*args)
+
+
+def _directory() -> str:
+    return os.path.join(jax.config.jax_compilation_cache_dir, SUBDIR)
+
+
+def _write(path: str, data: bytes) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _prune(directory: str, keep: str) -> None:
+    entries = []
+    for name in os.listdir(directory):
+        if name.endswith(SUFFIX):
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= MAX_BYTES:
+            break
+        if path != keep:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            total -= size
+
+
+def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | None:
+    """`fn(*args)` as a stored program: read from the cache if there, else traced,
+    exported and written. `fn` must be determined by `static` (see `step_key`).
+    `None` where the cache is off or the program cannot be stored; the caller then
+    traces `fn` itself."""
+    if not enabled():
+        return None
+    key = step_key(static, args)
+    if key is None:
+        return None
+    if key in _LOADED:
+        return _LOADED[key]
+    directory = _directory()
+    path = os.path.join(directory, key + SUFFIX)
+    program = None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        program = ExportedGrads(jax.export.deserialize(bytearray(data)), key, True)
+        os.utime(path)  # most recently used
+    except FileNotFoundError:
+        pass
+    except Exception:  # an unreadable or stale entry: trace again and replace it
+        program = None
+    if program is None:
+        specs = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
+        )
+        try:
+            exported = jax.export.export(
+                jax.jit(fn), platforms=[jax.default_backend()]
+            )(*specs)
+            data = exported.serialize()
+        except Exception:  # something export does not support: trace as usual
+            return None
+        program = ExportedGrads(exported, key, False)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            _write(path, bytes(data))
+            _prune(directory, path)
+        except OSError:
+            pass  # nothing but speed is lost
+    _LOADED[key] = program
+    return program

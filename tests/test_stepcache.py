@@ -1,0 +1,172 @@
+"""The stored training step (cnftrace/_stepcache.py): its key tells apart everything
+that changes the traced program and refuses what it cannot describe; entries that
+cannot be read are traced again; the store is bounded. That a second process reads
+the step back and computes the same is in test_cache.py."""
+
+import functools
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import cnftrace
+from cnftrace import _stepcache
+
+ARGS = ([jnp.zeros((4, 2))], jnp.zeros((8, 2)), None, jnp.zeros((2,), jnp.uint32))
+
+
+def _static(flow):
+    return eqx.partition(flow, eqx.is_inexact_array)[1]
+
+
+def _flow(**kwargs):
+    return cnftrace.mlp_flow(2, key=jr.key(0), width=8, depth=1, **kwargs)
+
+
+def _key(flow, objective=None, args=ARGS):
+    objective = objective or cnftrace.MaximumLikelihood()
+    return _stepcache.step_key((objective, _static(flow)), args)
+
+
+def test_the_key_is_the_same_for_equal_models_and_changes_with_each_setting():
+    base = _key(_flow())
+    assert base is not None and base == _key(_flow())  # built twice, same key
+    # Parameter values are inputs, not part of the key.
+    assert _key(cnftrace.mlp_flow(2, key=jr.key(5), width=8, depth=1)) == base
+    variants = {
+        "activation": _key(_flow(activation=jax.nn.softplus)),
+        "leaky 0.1": _key(
+            _flow(activation=functools.partial(jax.nn.leaky_relu, negative_slope=0.1))
+        ),
+        "leaky 0.2": _key(
+            _flow(activation=functools.partial(jax.nn.leaky_relu, negative_slope=0.2))
+        ),
+        "rtol": _key(_flow(rtol=1e-4)),
+        "t1": _key(_flow(t1=1.0)),
+        "solver": _key(_flow(solver="dopri5")),
+        "field": _key(_flow(field="concatsquash")),
+        "estimator": _key(_flow(estimator=cnftrace.Hutchinson(1, "rademacher"))),
+        "max_steps": _key(_flow(max_steps=100)),
+        "objective": _key(_flow(), cnftrace.MaximumLikelihood(kinetic_weight=0.1)),
+        "batch": _key(_flow(), args=(*ARGS[:1], jnp.zeros((9, 2)), *ARGS[2:])),
+        "dtype": _key(
+            _flow(), args=(*ARGS[:1], jnp.zeros((8, 2), jnp.float32), *ARGS[2:])
+        ),
+        "context": _key(_flow(), args=(*ARGS[:2], jnp.zeros((8, 1)), ARGS[3])),
+    }
+    assert None not in variants.values(), variants
+    seen = {base: "base"}
+    for name, key in variants.items():
+        assert key not in seen, f"{name} has the key of {seen.get(key)}"
+        seen[key] = name
+
+
+def test_the_key_describes_arrays_by_value_and_closures_by_content():
+    out_a, out_b = [], []
+    _stepcache._describe(np.array([1, 2], np.int32), out_a)
+    _stepcache._describe(np.array([1, 3], np.int32), out_b)
+    assert out_a != out_b
+    assert _stepcache.step_key((np.arange(3),), ARGS) != _stepcache.step_key(
+        (np.arange(3) + 1,), ARGS
+    )
+
+
+class _UserField(eqx.Module):
+    """Defined outside cnftrace: its code is not in the key."""
+
+    def __call__(self, t, y, args):
+        return -y
+
+
+def test_what_the_key_cannot_describe_is_not_cached():
+    assert _stepcache.step_key((_UserField(),), ARGS) is None
+    assert _key(_flow(activation=lambda x: jnp.tanh(x))) is None
+    assert _stepcache.step_key((object(),), ARGS) is None
+    user = cnftrace.CNF(_UserField(), 2)
+    assert _key(user) is None
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("CNFTRACE_COMPILATION_CACHE", raising=False)
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    monkeypatch.setattr(_stepcache, "_LOADED", {})
+    yield tmp_path
+    jax.config.update("jax_compilation_cache_dir", saved)
+
+
+def _double(x):
+    return (2 * x,)
+
+
+def test_an_unreadable_entry_is_traced_again_and_replaced(cache_dir):
+    static, args = ("a test program", 1), (jnp.arange(3.0),)
+    first = _stepcache.exported_grads(_double, static, args)
+    assert first is not None and not first.loaded
+    path = os.path.join(cache_dir, _stepcache.SUBDIR, first.key + _stepcache.SUFFIX)
+    good = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(b"not a program")
+    _stepcache._LOADED.clear()
+    again = _stepcache.exported_grads(_double, static, args)
+    assert not again.loaded and open(path, "rb").read() == good
+    _stepcache._LOADED.clear()
+    loaded = _stepcache.exported_grads(_double, static, args)
+    assert loaded.loaded
+    np.testing.assert_array_equal(loaded(*args)[0], [0.0, 2.0, 4.0])
+
+
+def test_the_opt_out_turns_it_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
+    assert _stepcache.exported_grads(_double, ("x",), (jnp.ones(2),)) is None
+    assert not os.path.exists(os.path.join(cache_dir, _stepcache.SUBDIR))
+
+
+def test_the_store_keeps_the_newest_entries_within_its_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(_stepcache, "MAX_BYTES", 250)
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"{i}{_stepcache.SUFFIX}"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (1000 + i, 1000 + i))
+        paths.append(str(path))
+    (tmp_path / "other.txt").write_bytes(b"y" * 1000)  # not an entry: kept
+    _stepcache._prune(str(tmp_path), keep=paths[0])
+    left = sorted(os.listdir(tmp_path))
+    # The oldest go first until the entries fit in 250 bytes, except `keep` (the
+    # entry just used); files that are not entries are not counted or touched.
+    assert left == sorted(["0.jaxexport", "3.jaxexport", "other.txt"])
+
+
+def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
+    cache_dir, monkeypatch
+):
+    """float64: the losses and the trained parameters agree to the last digit."""
+    flow = cnftrace.CNF(cnftrace.MLPField(2, width=8, depth=1, key=jr.key(0)), 2)
+    x = np.asarray(jr.normal(jr.key(3), (64, 2)))
+
+    def train():
+        return cnftrace.fit(
+            flow, x, key=jr.key(1), steps=3, batch_size=16, log_every=1,
+            progress=False,
+        )  # fmt: skip
+
+    stored, stored_history = train()
+    [program] = _stepcache._LOADED.values()
+    assert os.path.exists(
+        os.path.join(cache_dir, _stepcache.SUBDIR, program.key + _stepcache.SUFFIX)
+    )
+    monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
+    traced, traced_history = train()
+    np.testing.assert_array_equal(stored_history["loss"], traced_history["loss"])
+    np.testing.assert_array_equal(stored_history["nfe"], traced_history["nfe"])
+    for a, b in zip(
+        jax.tree_util.tree_leaves(eqx.filter(stored, eqx.is_array)),
+        jax.tree_util.tree_leaves(eqx.filter(traced, eqx.is_array)),
+    ):
+        np.testing.assert_array_equal(a, b)
