@@ -206,9 +206,18 @@ def step_key(static: Any, args: tuple) -> str | None:
     return hashlib.sha256("\n".join(out).encode()).hexdigest()
 
 
+STEP_OPT_OUT = "CNFTRACE_STEP_CACHE"
+"""The environment variable that turns off just the stored steps (`0`, `off`, ...),
+leaving JAX's compilation cache on."""
+
+
+def _off(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().lower() in ("0", "off", "false", "no")
+
+
 def enabled() -> bool:
-    """Whether the compilation cache is on (and so this one is)."""
-    if os.environ.get(OPT_OUT, "").strip().lower() in ("0", "off", "false", "no"):
+    """Whether steps are stored: with the compilation cache on, unless turned off."""
+    if _off(OPT_OUT) or _off(STEP_OPT_OUT):
         return False
     return bool(jax.config.jax_enable_compilation_cache) and bool(
         jax.config.jax_compilation_cache_dir

@@ -24,6 +24,7 @@ so that pytest-xdist runs the two halves on two workers).
 import jax
 import pytest
 from _docs import NOT_RUN, PAGES, page_blocks, read, runs, shell_commands
+from conftest import release_memory
 
 from cnftrace._cli import main
 
@@ -31,9 +32,12 @@ from cnftrace._cli import main
 @pytest.fixture(autouse=True)
 def _as_a_user_runs_it():
     """The examples run in JAX's default float32, as a reader would run them (the
-    rest of the suite turns float64 on)."""
+    rest of the suite turns float64 on). Each page's compiled programs are released
+    after it: the pages share none, and kept together they held a worker above
+    3 GB."""
     with jax.enable_x64(False):
         yield
+    release_memory()
 
 
 def test_pages_found():

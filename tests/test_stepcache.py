@@ -121,10 +121,15 @@ def test_an_unreadable_entry_is_traced_again_and_replaced(cache_dir):
     np.testing.assert_array_equal(loaded(*args)[0], [0.0, 2.0, 4.0])
 
 
-def test_the_opt_out_turns_it_off(cache_dir, monkeypatch):
-    monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
+@pytest.mark.parametrize(
+    "variable", ["CNFTRACE_COMPILATION_CACHE", "CNFTRACE_STEP_CACHE"]
+)
+def test_the_opt_outs_turn_it_off(cache_dir, monkeypatch, variable):
+    monkeypatch.setenv(variable, "off")
     assert _stepcache.exported_grads(_double, ("x",), (jnp.ones(2),)) is None
     assert not os.path.exists(os.path.join(cache_dir, _stepcache.SUBDIR))
+    monkeypatch.setenv(variable, "1")
+    assert _stepcache.exported_grads(_double, ("x",), (jnp.ones(2),)) is not None
 
 
 def test_the_store_keeps_the_newest_entries_within_its_bound(tmp_path, monkeypatch):

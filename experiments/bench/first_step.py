@@ -3,8 +3,10 @@
 Every new process (`cnftrace train`, `make demo`, a resume) pays for tracing and
 compiling the training step before it trains. With JAX's persistent compilation cache
 (`cnftrace.enable_compilation_cache`, on by default for the command line and the
-demo) a second process loads the compiled step from disk instead of compiling it; it
-still traces and lowers it (the cache's key is the lowered program).
+demo) a second process loads the compiled step from disk instead of compiling it, and
+reads the traced gradient that `fit` stored beside it instead of tracing it again
+(`cnftrace/_stepcache.py`); it still traces the rest of the step (sampler, optimiser)
+and lowers it.
 
 For each estimator this starts three processes on one fresh cache directory: the
 first compiles (cold), the next two load (warm). Each reports B1's first step (the
