@@ -93,15 +93,6 @@ def _release_compiled_programs():
     release_memory()
 
 
-@pytest.fixture(autouse=True)
-def _trim_after_each_test():
-    """Freed memory back to the system after each test (a few milliseconds), so
-    that the next test's compiles start from what is really in use."""
-    yield
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
 def release_memory():
     """Drop JAX's compiled programs, collect garbage and hand freed memory back to
     the system: glibc keeps what XLA's compiler threads freed in their arenas, so a
