@@ -36,6 +36,7 @@ import jax.random as jr
 import numpy as np
 
 from ._cache import OPT_OUT
+from ._checkpoint import CheckpointError, _atomic_write
 
 FORMAT = "cnftrace-step-v1"
 SUBDIR = "cnftrace-steps"
@@ -241,17 +242,6 @@ def _directory() -> str:
     return os.path.join(jax.config.jax_compilation_cache_dir, SUBDIR)
 
 
-def _write(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _prune(directory: str, keep: str) -> None:
     entries = []
     for name in os.listdir(directory):
@@ -297,7 +287,7 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
     except FileNotFoundError:
         pass
     except Exception:  # an unreadable or stale entry: trace again and replace it
-        program = None
+        pass
     if program is None:
         specs = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
@@ -311,10 +301,9 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
             return None
         program = ExportedGrads(exported, key, False)
         try:
-            os.makedirs(directory, exist_ok=True)
-            _write(path, bytes(data))
+            _atomic_write(path, bytes(data))
             _prune(directory, path)
-        except OSError:
+        except (OSError, CheckpointError):
             pass  # nothing but speed is lost
     _LOADED[key] = program
     return program

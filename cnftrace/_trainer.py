@@ -132,8 +132,7 @@ def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
     """A copy of `params` in buffers of its own, and the optimiser's fresh state if
     `init`: one program (run op by op, the optimiser's `init` compiles a program for
     each parameter shape)."""
-    copy = jax.tree_util.tree_map(jnp.copy, params)
-    return copy, optimizer.init(params) if init else None
+    return copy_arrays(params), optimizer.init(params) if init else None
 
 
 def _all_finite(tree) -> Array:
@@ -431,11 +430,12 @@ def step_program(trainer: Trainer, state: TrainState):
     if trainer.mesh is not None or not stepcache_enabled():
         return None
     fn, fixed, args = _grad_parts(trainer, state)
-    objective, static, _, impl, count = fixed
+    objective, static, treedef, impl, count = fixed
     # What the key describes: the tree structure as the parameters' dtypes and
     # shapes in their places (a PyTreeDef cannot be described).
-    params = eqx.filter(state.flow, eqx.is_inexact_array)
-    places = jax.tree_util.tree_map(lambda x: f"{x.dtype}{x.shape}", params)
+    places = jax.tree_util.tree_unflatten(
+        treedef, [f"{x.dtype}{x.shape}" for x in args[0]]
+    )
     return exported_grads(fn, (objective, static, places, impl, count), args)
 
 
@@ -459,9 +459,9 @@ def _train_step(trainer: Trainer, state: TrainState, program=None):
         # Every process draws the same global batch; each device keeps its part.
         batch, ctx = trainer.mesh.shard_batch((batch, ctx))
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
-    fn, _, args = _grad_parts(trainer, state, batch, ctx, jr.key_data(loss_key))
+    fn, fixed, args = _grad_parts(trainer, state, batch, ctx, jr.key_data(loss_key))
     loss, info, grads, backward = (fn if program is None else program)(*args)
-    grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), grads)
+    grads = jax.tree_util.tree_unflatten(fixed[2], grads)  # the parameters' treedef
     result = jax.tree_util.tree_unflatten(_RESULT_TREE, [info.pop("result")])
     info.setdefault("loss", loss)
     if "nfe_backward" not in info:
