@@ -1,14 +1,14 @@
 """The training step's gradient, traced once and kept on disk beside the compilation
-cache.
+cache, with its executable.
 
 JAX's persistent compilation cache (`_cache.py`) keys a compiled program by the
 program itself, so a new process must trace and lower its training step before it can
 find it: about 2 s for a CNF on a CPU, most of it diffrax's solve and its
-checkpointed backward pass. This module stores that traced program (the gradient of
-the objective with respect to the flow's parameters, exported with `jax.export`) so
-that a later process with the same flow, objective, shapes and library versions
-deserializes it instead of tracing it, and then finds its compiled form in the
-compilation cache.
+checkpointed backward pass, and a few tenths of a second more to lower and hash it.
+This module stores that traced program (the gradient of the objective with respect
+to the flow's parameters, exported with `jax.export`) and its executable compiled for
+this machine, so that a later process with the same flow, objective, shapes and
+library versions reads both back and calls the executable (`_trainer._split_step`).
 
 A stored program is only correct for the exact Python objects it was traced from, so
 its key describes all of them: every static field of the flow and the objective
@@ -19,12 +19,15 @@ function or object defined outside cnftrace and the libraries it versions, such 
 user's own vector field) makes the step uncacheable, and it is traced as usual.
 """
 
+import concurrent.futures
 import dataclasses
 import enum
 import functools
 import hashlib
 import importlib.metadata
 import os
+import platform
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from jax.experimental import serialize_executable
 
 from ._cache import OPT_OUT
 from ._checkpoint import CheckpointError, _atomic_write
@@ -41,6 +45,8 @@ from ._checkpoint import CheckpointError, _atomic_write
 FORMAT = "cnftrace-step-v1"
 SUBDIR = "cnftrace-steps"
 SUFFIX = ".jaxexport"
+# The program compiled for this machine, beside it: `<key>-<machine>.xlaexe`.
+EXE_SUFFIX = ".xlaexe"
 # The oldest stored programs are deleted beyond this many bytes (one is ~1 MB).
 MAX_BYTES = 256 * 1024**2
 
@@ -188,6 +194,34 @@ def _environment() -> str:
     return "\n".join(parts)
 
 
+@functools.cache
+def _machine() -> str:
+    """What a compiled program depends on beyond the program itself: the backend and
+    its version, the device, the CPU and its features, XLA's flags and JAX's
+    compiler settings."""
+    backend = jax.devices()[0].client
+    parts = [
+        backend.platform,
+        backend.platform_version,
+        jax.devices()[0].device_kind,
+        platform.machine(),
+        os.environ.get("XLA_FLAGS", ""),
+    ]
+    for name in (
+        "jax_disable_most_optimizations",
+        "jax_exec_time_optimization_effort",
+        "jax_memory_fitting_effort",
+    ):
+        parts.append(f"{name}={getattr(jax.config, name, None)!r}")
+    try:  # the instruction sets the compiled code may use (Linux)
+        with open("/proc/cpuinfo") as f:
+            lines = {line for line in f if line.startswith(("flags", "model name"))}
+        parts += sorted(lines)
+    except OSError:
+        pass
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def _aval(x) -> str:
     return "none" if x is None else f"{jnp.dtype(x.dtype)}{tuple(x.shape)}"
 
@@ -227,15 +261,37 @@ def enabled() -> bool:
 
 class ExportedGrads:
     """A deserialized gradient program, called inside the jitted step. Hashed by
-    identity: the jitted step treats it as a static argument."""
+    identity: the jitted step treats it as a static argument.
+
+    It may also carry the program compiled on its own (`has_executable`), to be
+    called outside any jit by `_trainer._split_step`: read from disk, or being
+    compiled in a background thread (`executable()` waits for it)."""
 
     def __init__(self, exported: jax.export.Exported, key: str, loaded: bool):
         self.exported = exported
         self.key = key
         self.loaded = loaded  # read from disk (True) or traced by this process
+        self.executable_loaded = False  # its executable read from disk
+        self._executable: jax.stages.Compiled | None = None
+        self._future: concurrent.futures.Future | None = None
 
     def __call__(self, *args):
         return self.exported.call(*args)
+
+    @property
+    def has_executable(self) -> bool:
+        return self._executable is not None or self._future is not None
+
+    def executable(self) -> Callable:
+        """The compiled program, once its compilation is done; where that failed,
+        the program jitted the usual way (compiled at its first call)."""
+        if self._future is not None:
+            try:
+                self._executable = self._future.result()
+            except Exception:
+                self._executable = jax.jit(self.exported.call)
+            self._future = None
+        return self._executable
 
 
 def _directory() -> str:
@@ -245,7 +301,7 @@ def _directory() -> str:
 def _prune(directory: str, keep: str) -> None:
     entries = []
     for name in os.listdir(directory):
-        if name.endswith(SUFFIX):
+        if name.endswith((SUFFIX, EXE_SUFFIX)):
             path = os.path.join(directory, name)
             try:
                 st = os.stat(path)
@@ -305,5 +361,82 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
             _prune(directory, path)
         except (OSError, CheckpointError):
             pass  # nothing but speed is lost
+    _attach_compiled(program, directory, args)
     _LOADED[key] = program
     return program
+
+
+def _on_first_device(args) -> bool:
+    first = jax.devices()[0]
+    for x in jax.tree_util.tree_leaves(args):
+        if isinstance(x, jax.Array) and x.devices() != {first}:
+            return False
+    return True
+
+
+def _attach_compiled(program: ExportedGrads, directory: str, args: tuple) -> None:
+    """Gives `program` its executable for this machine: read from disk, or compiled
+    (through JAX's compilation cache, in a background thread, so that the step's
+    other programs compile meanwhile) and written beside it. Reading it back skips
+    what the compilation cache cannot: lowering the program and hashing it into
+    the cache's key. None for arguments on another device than the first."""
+    if not _on_first_device(args):
+        return
+    in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+    out_tree = program.exported.out_tree
+    path = os.path.join(directory, f"{program.key}-{_machine()}{EXE_SUFFIX}")
+    try:
+        with open(path, "rb") as f:
+            payload = f.read()
+        program._executable = serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=jax.devices()[:1]
+        )
+        program.executable_loaded = True
+        os.utime(path)
+        return
+    except FileNotFoundError:
+        pass
+    except Exception:  # unreadable or stale: compile again and replace it
+        pass
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
+    )
+    try:
+        lowered = jax.jit(program.exported.call).lower(*specs)
+    except Exception:
+        return  # the step inlines the program instead
+
+    def compile_and_write():
+        # XLA compiles without holding Python's lock.
+        thread = threading.get_ident()
+        _CACHE_HITS.discard(thread)
+        compiled = lowered.compile()
+        if thread in _CACHE_HITS:
+            # Read from JAX's compilation cache, not compiled: XLA:CPU serializes
+            # such an executable without its kernels (it fails when run), so only
+            # a freshly compiled one is written.
+            return compiled
+        try:
+            payload, saved_in, saved_out = serialize_executable.serialize(compiled)
+            # Written only where it can be read back as it is read above.
+            if saved_in == in_tree and saved_out == out_tree:
+                _atomic_write(path, payload)
+                _prune(directory, path)
+        except Exception:  # nothing but the next process's speed is lost
+            pass
+        return compiled
+
+    program._future = _COMPILER.submit(compile_and_write)
+
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-step-compile")
+# The threads whose last compile JAX's compilation cache served.
+_CACHE_HITS: set[int] = set()
+
+
+def _note_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS.add(threading.get_ident())
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)

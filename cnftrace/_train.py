@@ -36,6 +36,7 @@ from ._trainer import (
     DataSource,
     Trainer,
     TrainState,
+    _split_step,
     _step_donating,
     copy_arrays,
     default_optimizer,
@@ -390,7 +391,10 @@ class _Loop:
         program = step_program(self.trainer, self.state)
         for i in bar:
             done = i + 1
-            self.state, info = _step_donating(self.trainer, self.state, program)
+            if self.trainer.mesh is None:
+                self.state, info = _split_step(self.trainer, self.state, program, True)
+            else:
+                self.state, info = _step_donating(self.trainer, self.state)
             log_now = done % log_every == 0 or done == steps
             checkpoint_now = every is not None and (done % every == 0 or done == steps)
             validate_now = self.validation is not None and (

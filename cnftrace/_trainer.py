@@ -352,7 +352,9 @@ class Trainer(eqx.Module):
         `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
         the objective's other metrics.
         """
-        return _step(self, state)
+        if self.mesh is not None:
+            return _step(self, state)
+        return _split_step(self, state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
         """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
@@ -452,16 +454,27 @@ def _grad_parts(trainer: Trainer, state: TrainState, batch=None, ctx=None, key=N
     return functools.partial(_objective_grads, *fixed), fixed, (leaves, batch, ctx, key)
 
 
-def _train_step(trainer: Trainer, state: TrainState, program=None):
+def _draw(trainer: Trainer, state: TrainState):
+    """The step's batch (and context), whether the batch is bad, and the key data of
+    the loss's randomness, all from `fold_in(trainer.key, state.step)`."""
     data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
     batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
     if trainer.mesh is not None:
         # Every process draws the same global batch; each device keeps its part.
         batch, ctx = trainer.mesh.shard_batch((batch, ctx))
+    return batch, ctx, bad_batch, jr.key_data(loss_key)
+
+
+def _update(
+    trainer: Trainer, state: TrainState, bad_batch, loss, info, grads, backward
+):
+    """The state after a step whose gradient program returned `(loss, info, grads,
+    backward)` (see `_objective_grads`): the optimiser's update, unless the step
+    failed or is skipped."""
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
-    fn, fixed, args = _grad_parts(trainer, state, batch, ctx, jr.key_data(loss_key))
-    loss, info, grads, backward = (fn if program is None else program)(*args)
-    grads = jax.tree_util.tree_unflatten(fixed[2], grads)  # the parameters' treedef
+    treedef = jax.tree_util.tree_structure(params)
+    grads = jax.tree_util.tree_unflatten(treedef, grads)
+    info = dict(info)
     result = jax.tree_util.tree_unflatten(_RESULT_TREE, [info.pop("result")])
     info.setdefault("loss", loss)
     if "nfe_backward" not in info:
@@ -497,6 +510,40 @@ def _train_step(trainer: Trainer, state: TrainState, program=None):
     return state, dict(info, skipped=~ok)
 
 
+def _train_step(trainer: Trainer, state: TrainState):
+    """One step as one program: what a data-parallel run (a mesh) runs."""
+    batch, ctx, bad_batch, key = _draw(trainer, state)
+    fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
+    return _update(trainer, state, bad_batch, *fn(*args))
+
+
+def _update_given(given, state: TrainState):
+    """`_update` with the state last and alone: `given` is `(trainer, bad_batch,
+    *gradient program's outputs)`."""
+    return _update(given[0], state, *given[1:])
+
+
 _step = eqx.filter_jit(_train_step)
 # `fit` gives the state's buffers to the step: it never reuses a state.
 _step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
+_draw_jit = eqx.filter_jit(_draw)
+_grads_jit = eqx.filter_jit(_objective_grads)
+_update_jit = eqx.filter_jit(_update_given)
+# Only the state is donated (the gradient's buffers cannot be reused by the update).
+_update_donating = eqx.filter_jit(_update_given, donate="all-except-first")
+
+
+def _split_step(trainer: Trainer, state: TrainState, program=None, donate=False):
+    """One step on one device, as three programs: the draw, the objective's gradient
+    and the update. The gradient program is compiled on its own, so that `fit` can
+    take it from disk compiled (`program`, a `_stepcache.ExportedGrads`: no tracing
+    or lowering) and compute bit for bit what `Trainer.step` computes. `donate`:
+    the state's buffers are given to the update."""
+    batch, ctx, bad_batch, key = _draw_jit(trainer, state)
+    fn, fixed, args = _grad_parts(trainer, state, batch, ctx, key)
+    if program is not None and program.has_executable:
+        out = program.executable()(*args)
+    else:
+        out = _grads_jit(*fixed, *args)
+    update = _update_donating if donate else _update_jit
+    return update((trainer, bad_batch, *out), state)

@@ -18,7 +18,10 @@ from jax.experimental.compilation_cache import compilation_cache
 import cnftrace
 
 PROBE = os.path.join(os.path.dirname(__file__), "scripts", "cache_probe.py")
-STEP = "jit__train_step"
+# The training step's programs: the draw, the update, and the gradient program
+# compiled from its stored form (`jax.export`'s `call`).
+DRAW, UPDATE, GRADS = "jit__draw", "jit__update_given", "jit_call"
+STEP = (DRAW, UPDATE)
 EVAL = "jit__log_prob_nfe_result"
 
 
@@ -41,24 +44,31 @@ def test_a_second_process_loads_the_training_step_and_the_evaluation(tmp_path):
     cache = tmp_path / "cache"
     cold = _probe(cache)
     assert cold["directory"] == str(cache) and cold["cache_dir"] == str(cache)
-    assert cold["loaded"] == [] and {STEP, EVAL} <= set(cold["missed"])
+    assert cold["loaded"] == [] and {*STEP, GRADS, EVAL} <= set(cold["missed"])
     stored = os.listdir(cache)
-    # No host callback in either program, so both were written.
-    assert any(f.startswith(STEP) for f in stored), stored
-    assert any(f.startswith(EVAL) for f in stored), stored
-    # Two steps, one program: the first state is committed to its device like the
-    # ones the step returns (else the second step compiles again).
-    assert cold["missed"].count(STEP) == 1, cold["missed"]
-    # The step's gradient was traced and stored by the cold process ...
+    # No host callback in any of the programs, so all were written.
+    for name in (*STEP, GRADS, EVAL):
+        assert any(f.startswith(name + "-") for f in stored), (name, stored)
+    # Two steps, one program each: the first state is committed to its device like
+    # the ones the step returns (else the second step compiles again).
+    for name in (*STEP, GRADS):
+        assert cold["missed"].count(name) == 1, cold["missed"]
+    # The step's gradient was traced and stored by the cold process, with its
+    # executable for this machine ...
     assert cold["traced"] == 1
-    [(key, from_disk)] = cold["stored_steps"]
-    assert not from_disk
-    assert os.listdir(cache / "cnftrace-steps") == [key + ".jaxexport"]
+    [(key, from_disk, executable_from_disk)] = cold["stored_steps"]
+    assert not from_disk and not executable_from_disk
+    steps = os.listdir(cache / "cnftrace-steps")
+    [executable] = [name for name in steps if name.endswith(".xlaexe")]
+    assert sorted(steps) == sorted([key + ".jaxexport", executable])
+    assert executable.startswith(key + "-")
     warm = _probe(cache)
-    assert {STEP, EVAL} <= set(warm["loaded"])
-    assert STEP not in warm["missed"] and EVAL not in warm["missed"]
-    # ... and read back, not traced, by the warm one, which computes the same.
-    assert warm["traced"] == 0 and warm["stored_steps"] == [[key, True]]
+    assert {*STEP, EVAL} <= set(warm["loaded"])
+    assert not {*STEP, EVAL} & set(warm["missed"])
+    # ... and read back by the warm one: neither traced, nor lowered and looked up
+    # in JAX's cache, nor compiled; it computes the same.
+    assert GRADS not in warm["loaded"] + warm["missed"]
+    assert warm["traced"] == 0 and warm["stored_steps"] == [[key, True, True]]
     assert warm["losses"] == cold["losses"] and len(cold["losses"]) == 2
     assert cold["finite"] and warm["finite"]
 

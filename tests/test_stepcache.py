@@ -121,6 +121,39 @@ def test_an_unreadable_entry_is_traced_again_and_replaced(cache_dir):
     np.testing.assert_array_equal(loaded(*args)[0], [0.0, 2.0, 4.0])
 
 
+def _executables(cache_dir):
+    found = os.listdir(os.path.join(cache_dir, _stepcache.SUBDIR))
+    return [name for name in found if name.endswith(_stepcache.EXE_SUFFIX)]
+
+
+def test_the_executable_is_stored_only_when_freshly_compiled(cache_dir):
+    """XLA:CPU serializes an executable read from JAX's compilation cache without its
+    kernels (it fails when run); the store must never hold one."""
+    saved = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # all stored
+    static, args = ("a compiled test program", 2), (jnp.arange(4.0),)
+    try:
+        first = _stepcache.exported_grads(_double, static, args)
+        np.testing.assert_array_equal(first.executable()(*args)[0], [0, 2, 4, 6])
+        assert not first.executable_loaded and len(_executables(cache_dir)) == 1
+        # Read back by a later `fit`: the executable comes from the store.
+        _stepcache._LOADED.clear()
+        again = _stepcache.exported_grads(_double, static, args)
+        assert again.loaded and again.executable_loaded
+        np.testing.assert_array_equal(again.executable()(*args)[0], [0, 2, 4, 6])
+        # Without it, the program compiles through JAX's cache, which serves it:
+        # nothing is written, and the program still computes the same.
+        [executable] = _executables(cache_dir)
+        os.remove(os.path.join(cache_dir, _stepcache.SUBDIR, executable))
+        _stepcache._LOADED.clear()
+        jax.clear_caches()
+        third = _stepcache.exported_grads(_double, static, args)
+        np.testing.assert_array_equal(third.executable()(*args)[0], [0, 2, 4, 6])
+        assert not third.executable_loaded and _executables(cache_dir) == []
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
+
+
 @pytest.mark.parametrize(
     "variable", ["CNFTRACE_COMPILATION_CACHE", "CNFTRACE_STEP_CACHE"]
 )

@@ -2,7 +2,7 @@
 of its own, with the compilation cache on (`enable_compilation_cache(argv[1])`).
 Prints one JSON line: the programs JAX compiled and those it loaded from the cache,
 the losses, how often the objective's gradient was traced, and the stored training
-steps this process used (key, whether read from disk)."""
+steps this process used (key, whether read from disk, whether its executable was)."""
 
 import json
 import logging
@@ -71,7 +71,8 @@ print(
             "losses": [float(v) for v in history["loss"]],
             "traced": len(traced),
             "stored_steps": sorted(
-                (key, program.loaded) for key, program in _stepcache._LOADED.items()
+                (key, program.loaded, program.executable_loaded)
+                for key, program in _stepcache._LOADED.items()
             ),
         }
     )
