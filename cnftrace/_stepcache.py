@@ -8,7 +8,7 @@ checkpointed backward pass, and a few tenths of a second more to lower and hash 
 This module stores that traced program (the gradient of the objective with respect
 to the flow's parameters, exported with `jax.export`) and its executable compiled for
 this machine, so that a later process with the same flow, objective, shapes and
-library versions reads both back and calls the executable (`_trainer._split_step`).
+library versions reads both back and calls the executable (`_trainer.SplitStep`).
 
 A stored program is only correct for the exact Python objects it was traced from, so
 its key describes all of them: every static field of the flow and the objective
@@ -264,7 +264,7 @@ class ExportedGrads:
     identity: the jitted step treats it as a static argument.
 
     It may also carry the program compiled on its own (`has_executable`), to be
-    called outside any jit by `_trainer._split_step`: read from disk, or being
+    called outside any jit by `_trainer.SplitStep`: read from disk, or being
     compiled in a background thread (`executable()` waits for it)."""
 
     def __init__(self, exported: jax.export.Exported, key: str, loaded: bool):

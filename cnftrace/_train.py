@@ -2,6 +2,7 @@
 progress around it."""
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -34,9 +35,9 @@ from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._trainer import (
     DEFAULT_BATCH_SIZE,
     DataSource,
+    SplitStep,
     Trainer,
     TrainState,
-    _split_step,
     _step_donating,
     copy_arrays,
     default_optimizer,
@@ -389,12 +390,15 @@ class _Loop:
         # The step's gradient as stored by an earlier process, if there is one
         # (with the compilation cache on): no tracing it again.
         program = step_program(self.trainer, self.state)
+        step = functools.partial(_step_donating, self.trainer)  # a mesh's
+        if self.trainer.mesh is None:
+            try:
+                step = SplitStep(self.trainer, self.state, program, donate=True)
+            except TypeError:  # a static part that cannot be hashed: one program
+                pass
         for i in bar:
             done = i + 1
-            if self.trainer.mesh is None:
-                self.state, info = _split_step(self.trainer, self.state, program, True)
-            else:
-                self.state, info = _step_donating(self.trainer, self.state)
+            self.state, info = step(self.state)
             log_now = done % log_every == 0 or done == steps
             checkpoint_now = every is not None and (done % every == 0 or done == steps)
             validate_now = self.validation is not None and (

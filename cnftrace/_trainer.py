@@ -354,7 +354,11 @@ class Trainer(eqx.Module):
         """
         if self.mesh is not None:
             return _step(self, state)
-        return _split_step(self, state)
+        try:
+            step = SplitStep(self, state)
+        except TypeError:  # a static part that cannot be hashed: one program
+            return _step(self, state)
+        return step(state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
         """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
@@ -517,33 +521,103 @@ def _train_step(trainer: Trainer, state: TrainState):
     return _update(trainer, state, bad_batch, *fn(*args))
 
 
-def _update_given(given, state: TrainState):
-    """`_update` with the state last and alone: `given` is `(trainer, bad_batch,
-    *gradient program's outputs)`."""
-    return _update(given[0], state, *given[1:])
-
-
 _step = eqx.filter_jit(_train_step)
 # `fit` gives the state's buffers to the step: it never reuses a state.
 _step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
-_draw_jit = eqx.filter_jit(_draw)
-_grads_jit = eqx.filter_jit(_objective_grads)
-_update_jit = eqx.filter_jit(_update_given)
-# Only the state is donated (the gradient's buffers cannot be reused by the update).
-_update_donating = eqx.filter_jit(_update_given, donate="all-except-first")
 
 
-def _split_step(trainer: Trainer, state: TrainState, program=None, donate=False):
+class _SplitPrograms:
+    """A step's three programs (draw, gradient, update) for one trainer's and one
+    state's static parts, jitted over arrays alone: a step then costs three
+    dispatches and a partition of the state, not a partition and hash of the whole
+    trainer and flow per program (which made a flow-matching step several times
+    slower than its computation)."""
+
+    def __init__(self, trainer_static, state_static, donate: bool):
+        self.state_static = state_static
+
+        def _draw_program(trainer_arrays, step):
+            trainer = eqx.combine(trainer_arrays, trainer_static)
+            return _draw(trainer, _StepOnly(step))
+
+        def _grads_program(trainer_arrays, state_arrays, batch, ctx, key):
+            trainer = eqx.combine(trainer_arrays, trainer_static)
+            state = eqx.combine(state_arrays, state_static)
+            fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
+            return fn(*args)
+
+        def _update_program(trainer_arrays, state_arrays, bad_batch, out):
+            trainer = eqx.combine(trainer_arrays, trainer_static)
+            state = eqx.combine(state_arrays, state_static)
+            new, info = _update(trainer, state, bad_batch, *out)
+            return eqx.filter(new, eqx.is_array), info
+
+        self.draw = jax.jit(_draw_program)
+        self.grads = jax.jit(_grads_program)
+        # Only the state is donated (the gradient's buffers cannot be reused).
+        self.update = jax.jit(_update_program, donate_argnums=(1,) if donate else ())
+
+
+class _StepOnly(eqx.Module):
+    """What `_draw` reads of a state: its step."""
+
+    step: Array
+
+
+# The programs of recent runs, by their static parts: a second `fit` of the same
+# model reuses them (traced and compiled) as the jitted step used to.
+_PROGRAMS: dict = {}
+_MAX_PROGRAMS = 16
+
+
+def _split_programs(trainer: Trainer, state: TrainState, donate: bool):
+    """`(trainer's arrays, _SplitPrograms)`, or `None` where a static part cannot be
+    hashed."""
+    trainer_arrays, trainer_static = eqx.partition(trainer, eqx.is_array)
+    state_static = eqx.filter(state, eqx.is_array, inverse=True)
+    # The result code's static part (diffrax's enumeration) is the same for every
+    # state, and cannot be hashed.
+    key = (trainer_static, state_static.flow, state_static.opt_state, donate)
+    try:
+        programs = _PROGRAMS.pop(key, None)
+    except TypeError:
+        return None
+    if programs is None:
+        programs = _SplitPrograms(trainer_static, state_static, donate)
+    _PROGRAMS[key] = programs  # the most recently used last
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return trainer_arrays, programs
+
+
+def _grads_input(flow: AbstractFlow) -> list:
+    return jax.tree_util.tree_leaves(eqx.filter(flow, eqx.is_inexact_array))
+
+
+class SplitStep:
     """One step on one device, as three programs: the draw, the objective's gradient
     and the update. The gradient program is compiled on its own, so that `fit` can
     take it from disk compiled (`program`, a `_stepcache.ExportedGrads`: no tracing
     or lowering) and compute bit for bit what `Trainer.step` computes. `donate`:
-    the state's buffers are given to the update."""
-    batch, ctx, bad_batch, key = _draw_jit(trainer, state)
-    fn, fixed, args = _grad_parts(trainer, state, batch, ctx, key)
-    if program is not None and program.has_executable:
-        out = program.executable()(*args)
-    else:
-        out = _grads_jit(*fixed, *args)
-    update = _update_donating if donate else _update_jit
-    return update((trainer, bad_batch, *out), state)
+    the state's buffers are given to the update. Built once per run."""
+
+    def __init__(self, trainer: Trainer, state: TrainState, program=None, donate=False):
+        found = _split_programs(trainer, state, donate)
+        if found is None:
+            raise TypeError(
+                "the trainer or the flow holds a static part that cannot be hashed"
+            )
+        self.trainer_arrays, self.programs = found
+        executable = program is not None and program.has_executable
+        self.program = program if executable else None
+
+    def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
+        p = self.programs
+        arrays = eqx.filter(state, eqx.is_array)
+        batch, ctx, bad_batch, key = p.draw(self.trainer_arrays, arrays.step)
+        if self.program is not None:
+            out = self.program.executable()(_grads_input(arrays.flow), batch, ctx, key)
+        else:
+            out = p.grads(self.trainer_arrays, arrays, batch, ctx, key)
+        new, info = p.update(self.trainer_arrays, arrays, bad_batch, out)
+        return eqx.combine(new, p.state_static), info

@@ -20,7 +20,7 @@ import cnftrace
 PROBE = os.path.join(os.path.dirname(__file__), "scripts", "cache_probe.py")
 # The training step's programs: the draw, the update, and the gradient program
 # compiled from its stored form (`jax.export`'s `call`).
-DRAW, UPDATE, GRADS = "jit__draw", "jit__update_given", "jit_call"
+DRAW, UPDATE, GRADS = "jit__draw_program", "jit__update_program", "jit_call"
 STEP = (DRAW, UPDATE)
 EVAL = "jit__log_prob_nfe_result"
 
