@@ -80,7 +80,10 @@ _MAX_DEPTH = 64
 
 # Programs found or exported by this process, by key: a second `fit` with the same
 # model reuses the same object, and with it the jitted step's compiled program.
+# At most `_MAX_LOADED` of them, the least recently used dropped first: each holds an
+# executable (hundreds of memory maps on XLA:CPU).
 _LOADED: dict[str, "ExportedGrads"] = {}
+_MAX_LOADED = 8
 
 
 class _Uncacheable(Exception):
@@ -331,6 +334,7 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
     if key is None:
         return None
     if key in _LOADED:
+        _LOADED[key] = _LOADED.pop(key)  # the most recently used last
         return _LOADED[key]
     directory = _directory()
     path = os.path.join(directory, key + SUFFIX)
@@ -363,6 +367,8 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
             pass  # nothing but speed is lost
     _attach_compiled(program, directory, args)
     _LOADED[key] = program
+    while len(_LOADED) > _MAX_LOADED:
+        del _LOADED[next(iter(_LOADED))]
     return program
 
 
