@@ -79,7 +79,7 @@ _CONFIG = (
 _MAX_DEPTH = 64
 
 # Programs found or exported by this process, by key: a second `fit` with the same
-# model reuses the same object, and with it the jitted step's compiled program.
+# model reuses the same object, and with it its executable.
 # At most `_MAX_LOADED` of them, the least recently used dropped first: each holds an
 # executable (hundreds of memory maps on XLA:CPU).
 _LOADED: dict[str, "ExportedGrads"] = {}
@@ -263,12 +263,10 @@ def enabled() -> bool:
 
 
 class ExportedGrads:
-    """A deserialized gradient program, called inside the jitted step. Hashed by
-    identity: the jitted step treats it as a static argument.
-
-    It may also carry the program compiled on its own (`has_executable`), to be
-    called outside any jit by `_trainer.SplitStep`: read from disk, or being
-    compiled in a background thread (`executable()` waits for it)."""
+    """A deserialized gradient program (callable, inlined where it is called inside
+    a jit). It may also carry the program compiled on its own (`has_executable`),
+    which `_trainer.SplitStep` calls: read from disk, or being compiled in a
+    background thread (`executable()` waits for it)."""
 
     def __init__(self, exported: jax.export.Exported, key: str, loaded: bool):
         self.exported = exported
@@ -349,13 +347,10 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
     except Exception:  # an unreadable or stale entry: trace again and replace it
         pass
     if program is None:
-        specs = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
-        )
         try:
             exported = jax.export.export(
                 jax.jit(fn), platforms=[jax.default_backend()]
-            )(*specs)
+            )(*_specs(args))
             data = exported.serialize()
         except Exception:  # something export does not support: trace as usual
             return None
@@ -370,6 +365,12 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
     while len(_LOADED) > _MAX_LOADED:
         del _LOADED[next(iter(_LOADED))]
     return program
+
+
+def _specs(args) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
+    )
 
 
 def _on_first_device(args) -> bool:
@@ -404,11 +405,8 @@ def _attach_compiled(program: ExportedGrads, directory: str, args: tuple) -> Non
         pass
     except Exception:  # unreadable or stale: compile again and replace it
         pass
-    specs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
-    )
     try:
-        lowered = jax.jit(program.exported.call).lower(*specs)
+        lowered = jax.jit(program.exported.call).lower(*_specs(args))
     except Exception:
         return  # the step inlines the program instead
 

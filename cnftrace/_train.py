@@ -2,7 +2,6 @@
 progress around it."""
 
 import contextlib
-import functools
 import os
 import time
 from collections.abc import Callable
@@ -35,13 +34,12 @@ from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._trainer import (
     DEFAULT_BATCH_SIZE,
     DataSource,
-    SplitStep,
     Trainer,
     TrainState,
-    _step_donating,
     copy_arrays,
     default_optimizer,
     step_program,
+    training_step,
 )
 
 
@@ -390,12 +388,7 @@ class _Loop:
         # The step's gradient as stored by an earlier process, if there is one
         # (with the compilation cache on): no tracing it again.
         program = step_program(self.trainer, self.state)
-        step = functools.partial(_step_donating, self.trainer)  # a mesh's
-        if self.trainer.mesh is None:
-            try:
-                step = SplitStep(self.trainer, self.state, program, donate=True)
-            except TypeError:  # a static part that cannot be hashed: one program
-                pass
+        step = training_step(self.trainer, self.state, program, donate=True)
         for i in bar:
             done = i + 1
             self.state, info = step(self.state)

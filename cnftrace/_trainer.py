@@ -352,13 +352,7 @@ class Trainer(eqx.Module):
         `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
         the objective's other metrics.
         """
-        if self.mesh is not None:
-            return _step(self, state)
-        try:
-            step = SplitStep(self, state)
-        except TypeError:  # a static part that cannot be hashed: one program
-            return _step(self, state)
-        return step(state)
+        return training_step(self, state)(state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
         """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
@@ -571,17 +565,14 @@ _MAX_PROGRAMS = 16
 
 
 def _split_programs(trainer: Trainer, state: TrainState, donate: bool):
-    """`(trainer's arrays, _SplitPrograms)`, or `None` where a static part cannot be
-    hashed."""
+    """`(trainer's arrays, _SplitPrograms)`; a `TypeError` where a static part
+    cannot be hashed."""
     trainer_arrays, trainer_static = eqx.partition(trainer, eqx.is_array)
     state_static = eqx.filter(state, eqx.is_array, inverse=True)
     # The result code's static part (diffrax's enumeration) is the same for every
     # state, and cannot be hashed.
     key = (trainer_static, state_static.flow, state_static.opt_state, donate)
-    try:
-        programs = _PROGRAMS.pop(key, None)
-    except TypeError:
-        return None
+    programs = _PROGRAMS.pop(key, None)
     if programs is None:
         programs = _SplitPrograms(trainer_static, state_static, donate)
     _PROGRAMS[key] = programs  # the most recently used last
@@ -599,15 +590,11 @@ class SplitStep:
     and the update. The gradient program is compiled on its own, so that `fit` can
     take it from disk compiled (`program`, a `_stepcache.ExportedGrads`: no tracing
     or lowering) and compute bit for bit what `Trainer.step` computes. `donate`:
-    the state's buffers are given to the update. Built once per run."""
+    the state's buffers are given to the update. Built once per run; a `TypeError`
+    where the trainer or the flow holds a static part that cannot be hashed."""
 
     def __init__(self, trainer: Trainer, state: TrainState, program=None, donate=False):
-        found = _split_programs(trainer, state, donate)
-        if found is None:
-            raise TypeError(
-                "the trainer or the flow holds a static part that cannot be hashed"
-            )
-        self.trainer_arrays, self.programs = found
+        self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
         executable = program is not None and program.has_executable
         self.program = program if executable else None
 
@@ -621,3 +608,15 @@ class SplitStep:
             out = p.grads(self.trainer_arrays, arrays, batch, ctx, key)
         new, info = p.update(self.trainer_arrays, arrays, bad_batch, out)
         return eqx.combine(new, p.state_static), info
+
+
+def training_step(trainer: Trainer, state: TrainState, program=None, donate=False):
+    """The step `Trainer.step` and `fit` run, as a function of the state: the split
+    step on one device, one program on a mesh or where a static part cannot be hashed
+    (both callers take the same one, so they compute the same numbers)."""
+    if trainer.mesh is None:
+        try:
+            return SplitStep(trainer, state, program, donate)
+        except TypeError:
+            pass
+    return functools.partial(_step_donating if donate else _step, trainer)
