@@ -125,6 +125,7 @@ def _labelled_8gaussians(key, n):
     return x.astype(jnp.float32), jax.nn.one_hot(labels, 8, dtype=jnp.float32)
 
 
+@pytest.mark.optimized  # 400 training steps
 def test_conditional_8gaussians_samples_land_on_their_mode():
     field = cnftrace.ConcatSquashMLP(
         2, width=32, depth=2, context_dim=8, key=jr.key(0), dtype=jnp.float32

@@ -4,11 +4,13 @@ their defaults) reaches a fixed quality bar on a density known in closed form.""
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
 
 import cnftrace
 from cnftrace.datasets import rotated_product
 
 
+@pytest.mark.optimized  # 300 training steps
 def test_default_recipe_reaches_the_quality_bar_in_300_steps():
     # A rotation of a two-mode mixture and a Gumbel: non-Gaussian, exact log-density.
     density = rotated_product(2, seed=0)

@@ -46,7 +46,18 @@ def test_pages_found():
         assert page in PAGES
 
 
-@pytest.mark.parametrize("page", PAGES)
+# Pages whose examples train for hundreds of steps run faster compiled with XLA's
+# optimisations on (see conftest.py); the others compile more than they run.
+OPTIMIZED = {"getting-started.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=pytest.mark.optimized) if p in OPTIMIZED else p
+        for p in PAGES
+    ],
+)
 def test_page_examples_run(page, tmp_path, monkeypatch):
     blocks = [(lang, b) for lang, b in page_blocks(read(page)) if runs(b)]
     if not blocks:

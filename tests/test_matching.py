@@ -147,6 +147,7 @@ def _train(objective, steps=2000, data=_gaussian_data, seed=0):
     )
 
 
+@pytest.mark.optimized  # 2000 training steps and an exact-trace evaluation
 def test_flow_matching_reaches_the_gaussian_likelihood():
     trained, history = _train("fm")
     assert history["nfe"][-1] == 1 and history["nfe_backward"][-1] == 1
@@ -161,6 +162,7 @@ def test_flow_matching_reaches_the_gaussian_likelihood():
     assert abs(nll.mean - true.mean()) < 0.02
 
 
+@pytest.mark.optimized  # 3000 training steps
 def test_ot_coupling_straightens_the_paths():
     def eight_gaussians(key, n):
         return cnftrace.datasets.toy_sample("8gaussians", key, n)
