@@ -106,9 +106,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     hidden = tuple(int(h) for h in args.hidden.split(","))
     train_images, _, test_images, _ = load_mnist_idx(args.data_dir)
+    solver = diffrax.Dopri5()
     if args.quick:
+        # The smoke model of ffjord_digits.py (Tsit5 there, not dopri5), with its
+        # batch, its validation's 4 probes on 8 images and its 64 samples: on 8x8
+        # images a process that runs both smoke runs (the test suite) traces and
+        # compiles the training step, that evaluation and the sampling once.
         args.steps, args.batch_size, args.warmup = 3, 8, 2
-        hidden, args.blocks, args.tol, args.test_probes = (4,), 1, 1e-3, 1
+        hidden, args.blocks, args.tol, solver = (4,), 1, 1e-3, diffrax.Tsit5()
         test_images = test_images[:8]
     shape = (1,) + train_images.shape[1:]
     dim = math.prod(shape)
@@ -135,7 +140,7 @@ def main(argv=None):
         blocks_per_scale=args.blocks,
         hidden=hidden,
         learn_t1=not args.fixed_t1,
-        solver=diffrax.Dopri5(),
+        solver=solver,
         rtol=args.tol,
         atol=args.tol,
         key=model_key,
@@ -199,7 +204,7 @@ def main(argv=None):
         bits_per_dim(-lp - ld, dim, LEVELS) for lp, ld in zip(logp, test_log_det)
     ]
     bpd, bpd_se = mean_and_stderr(per_sample)
-    samples = trained.sample(sample_key, 64 if not args.quick else 4)
+    samples = trained.sample(sample_key, 64)
     trace = "exact trace" if probes == 0 else f"Hutchinson, {probes} probes"
 
     header = ["model", "test bits/dim", "published", "eval NFE", "steps", "s/step"]

@@ -118,7 +118,9 @@ def test_help_from_the_installed_entry_point():
 
 
 def test_tabular_and_digits_runs(tmp_path, capsys):
-    for data, extra in [("wine", []), ("digits", ["--width", "16"])]:
+    # `sample` draws as many samples as `plot` does (wine's 26 test rows, a grid of
+    # 64 digits), so that `plot` reuses its compiled solve.
+    for data, extra, n in [("wine", [], 26), ("digits", ["--width", "16"], 64)]:
         run = str(tmp_path / data)
         args = ["--steps", "4", "--depth", "1", "--batch-size", "32", "--rtol", "1e-3"]
         args += ["--atol", "1e-3", "--checkpoint-every", "2"]
@@ -128,19 +130,19 @@ def test_tabular_and_digits_runs(tmp_path, capsys):
         with open(os.path.join(run, "eval.json")) as f:
             result = json.load(f)
         assert np.isfinite(result["test_nll"])
-        assert main(["sample", run, "--n", "5"]) == 0
+        assert main(["sample", run, "--n", str(n)]) == 0
         assert main(["plot", run]) == 0
         plots = sorted(os.listdir(os.path.join(run, "plots")))
         if data == "wine":
             assert result["n"] == load_tabular("wine").test.shape[0] == 26
             assert "gaussian_baseline_nll" in result
-            assert np.load(os.path.join(run, "samples.npy")).shape == (5, 13)
+            assert np.load(os.path.join(run, "samples.npy")).shape == (n, 13)
             assert plots == ["samples.png", "training.png"]  # test rows and samples
         else:
             assert 0 < result["gaussian_baseline_bits_per_dim"] < 10
             assert np.isfinite(result["bits_per_dim"])
             images = np.load(os.path.join(run, "samples.npy"))
-            assert images.shape == (5, 8, 8) and images.min() >= 0 and images.max() <= 1
+            assert images.shape == (n, 8, 8) and images.min() >= 0 and images.max() <= 1
             assert plots == ["samples.png", "training.png"]
     out = capsys.readouterr().out
     assert "bits/dim" in out and "full-covariance Gaussian" in out

@@ -48,7 +48,8 @@ def test_linear_chain_matches_closed_form():
     np.testing.assert_allclose(single, expected[2], rtol=0, atol=1e-8)
     np.testing.assert_allclose(flow.forward(x), z, rtol=0, atol=1e-9)
 
-    samples, logq = flow.sample_and_log_prob(jr.key(1), 5)
+    # As many samples as x, so that forward() below reuses the programs compiled for x.
+    samples, logq = flow.sample_and_log_prob(jr.key(1), 6)
     z_back = flow.forward(samples)
     expected_q = _std_normal_logpdf(z_back) + 0.7 * jnp.trace(a1) + 0.8 * jnp.trace(a2)
     np.testing.assert_allclose(logq, expected_q, rtol=0, atol=1e-8)
@@ -283,14 +284,17 @@ def test_regression_custom_jvp_with_symbolic_zero_tangents():
         )(diff, static)
 
     g_custom = grad_linear2(custom)
-    g_plain = grad_linear2(plain)
+    # All inputs, including the scale that only the custom rule differentiates.
+    g_all_c = eqx.filter_jit(eqx.filter_grad(loss))(custom, x)
+    g_all_p = eqx.filter_jit(eqx.filter_grad(loss))(plain, x)
+    # The plain field's gradient with respect to linear2 is the same whether the
+    # other inputs are differentiated or not: take it from g_all_p (one gradient
+    # program fewer to trace and compile).
+    g_plain = eqx.filter(g_all_p, only_linear2(plain))
     for a, b in zip(
         jax.tree_util.tree_leaves(g_custom), jax.tree_util.tree_leaves(g_plain)
     ):
         np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
-    # All inputs, including the scale that only the custom rule differentiates.
-    g_all_c = eqx.filter_jit(eqx.filter_grad(loss))(custom, x)
-    g_all_p = eqx.filter_jit(eqx.filter_grad(loss))(plain, x)
     for a, b in zip(
         jax.tree_util.tree_leaves(g_all_c), jax.tree_util.tree_leaves(g_all_p)
     ):
@@ -356,13 +360,21 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
     # nfe - 1 for each block, also when the checkpointed adjoint replays steps from
     # few checkpoints.
     x = jr.normal(jr.key(1), (16, 2))
-    # Each adjoint once, the estimators shared out between them (every pairing
-    # compiles two gradients of a two-block solve, which is what this test costs).
+    # Each adjoint once, the estimators shared out between them (every gradient
+    # compiled here is one of a two-block solve, which is what this test costs).
     cases = [
         (diffrax.RecursiveCheckpointAdjoint(), cnftrace.Exact()),
-        (diffrax.RecursiveCheckpointAdjoint(checkpoints=2), cnftrace.Hutchinson()),
         (diffrax.DirectAdjoint(), cnftrace.Hutchinson()),
+        (diffrax.RecursiveCheckpointAdjoint(checkpoints=2), cnftrace.Hutchinson()),
     ]
+    # The gradient without the counter, once per estimator: the discrete adjoints
+    # differentiate the same solve, and here their gradients agree to the last bit.
+    # (Not in every setup: the gradient runs through the step-size controller's
+    # error estimate, a sum that cancels to about the tolerance, so two programs
+    # that round it differently, even of one adjoint, can differ by 1e-7: with one
+    # block, 2 checkpoints' counted and plain gradients do; with depth=1 fields,
+    # these ones by 4e-13.)
+    plain = {}
     for adjoint, estimator in cases:
         blocks = [
             _mlp_flow(k, adjoint=adjoint, estimator=estimator, rtol=1e-8, atol=1e-8)
@@ -383,7 +395,9 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
             == int(jnp.sum(stats.nfe - 1))
             == 6 * int(jnp.sum(stats.num_steps)) + len(blocks)
         )
-        plain = jax.jit(jax.grad(lambda p: loss(p, None)[0]))(params)
-        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):
+        name = type(estimator).__name__
+        if name not in plain:
+            plain[name] = jax.jit(jax.grad(lambda p: loss(p, None)[0]))(params)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[name])):
             # Equal up to the rounding of differently fused XLA code.
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-16)

@@ -104,8 +104,11 @@ def test_gradient_of_kinetic_energy_matches_closed_form():
     def closed(a):
         return jnp.sum(a * x[0] ** 2 * (jnp.exp(2 * a * t1) - 1) / 2)
 
-    np.testing.assert_allclose(kinetic(a), closed(a), rtol=1e-10)
-    np.testing.assert_allclose(jax.grad(kinetic)(a), jax.grad(closed)(a), rtol=1e-8)
+    # The value and the gradient from one program: op by op, they compiled three
+    # solves and about a hundred small programs (1.8 s of the test's 6 s).
+    value, grad = jax.jit(jax.value_and_grad(kinetic))(a)
+    np.testing.assert_allclose(value, closed(a), rtol=1e-10)
+    np.testing.assert_allclose(grad, jax.grad(closed)(a), rtol=1e-8)
 
 
 def test_fit_with_regularisation_records_and_lowers_the_integrals():

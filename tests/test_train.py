@@ -20,21 +20,37 @@ def _flow(key, **kwargs):
     return cnftrace.CNF(field, 2, t1=0.5, rtol=1e-4, atol=1e-4, **kwargs)
 
 
+# The tests that train a `_flow` with the default objective use one batch size, so
+# that `fit` compiles the gradient of their training step once for the file (it keeps
+# that program by the flow, the objective and the shapes, not by the parameters'
+# values). `fit` also keeps a step's other two programs for a second run with the
+# same data function or array shape, optimiser object and batch size: the tests share
+# `_gaussian` and `_ADAM` where they can, so that one run compiles for several.
+BATCH = 32
+_ADAM = optax.adam(1e-2)
+
+
+def _gaussian(key, n):
+    """N(mu, s^2 I) with mu = (1, -0.5) and s = 0.6."""
+    return jnp.array([[1.0, -0.5]]) + 0.6 * jr.normal(key, (n, 2))
+
+
 def test_fit_improves_gaussian_fit_and_is_reproducible():
     # Data: N(mu, s^2 I); the flow starts near the identity (standard normal).
-    mu, s = jnp.array([1.0, -0.5]), 0.6
-    data = lambda k, n: mu[None, :] + s * jr.normal(k, (n, 2))  # noqa: E731
     flow = _flow(jr.key(0))
-    test = data(jr.key(99), 2000)
+    # As many test samples as the validation test's, so that their evaluations are
+    # one program. The NLL improves by 0.92 here (by 0.74 to 0.94 over three seeds of
+    # the flow, the run and the test set, with 300 or 2000 test samples and batches
+    # of 32 or 128): far beyond the 0.3 asked.
+    test = _gaussian(jr.key(99), 300)
     before = cnftrace.evaluate_nll(flow, test)
-    opt = optax.adam(1e-2)
     trained, hist = cnftrace.fit(
         flow,
-        data,
+        _gaussian,
         key=jr.key(1),
         steps=60,
-        batch_size=128,
-        optimizer=opt,
+        batch_size=BATCH,
+        optimizer=_ADAM,
         progress=False,
     )
     after = cnftrace.evaluate_nll(trained, test)
@@ -46,11 +62,11 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     # The same key gives the same run.
     again, hist2 = cnftrace.fit(
         flow,
-        data,
+        _gaussian,
         key=jr.key(1),
         steps=60,
-        batch_size=128,
-        optimizer=opt,
+        batch_size=BATCH,
+        optimizer=_ADAM,
         progress=False,
     )
     assert hist2["loss"] == hist["loss"]
@@ -69,7 +85,7 @@ def test_validation_returns_the_best_model_and_stops_early():
         data,
         key=jr.key(22),
         steps=40,
-        batch_size=32,
+        batch_size=BATCH,
         optimizer=optax.adam(3e-2),
         progress=False,
         validation=cnftrace.Validation(val, every=2, patience=2),
@@ -84,8 +100,9 @@ def test_validation_returns_the_best_model_and_stops_early():
 def test_fit_from_array():
     x = jr.normal(jr.key(2), (300, 2)) * 0.5
     trained, hist = cnftrace.fit(
-        _flow(jr.key(3)), x, key=jr.key(4), steps=3, batch_size=16, progress=False
-    )
+        _flow(jr.key(3)), x, key=jr.key(4), steps=3, batch_size=BATCH,
+        optimizer=_ADAM, progress=False,
+    )  # fmt: skip
     assert len(hist["step"]) == 3
 
 
@@ -132,15 +149,16 @@ def test_fit_refuses_bad_data_before_training(tmp_path):
 
     with pytest.raises(Exception, match="NaN or inf"):
         cnftrace.fit(
-            flow, turns_bad, key=jr.key(0), steps=2, batch_size=8, progress=False
+            flow, turns_bad, key=jr.key(0), steps=2, batch_size=BATCH, progress=False
         )
 
 
 def test_history_counts_backward_evaluations():
     x = np.asarray(jr.normal(jr.key(2), (300, 2)))
     _, hist = cnftrace.fit(
-        _flow(jr.key(3)), x, key=jr.key(4), steps=3, batch_size=16, progress=False
-    )
+        _flow(jr.key(3)), x, key=jr.key(4), steps=3, batch_size=BATCH,
+        optimizer=_ADAM, progress=False,
+    )  # fmt: skip
     # Tsit5: 1 + 6 per step differentiated, 1 (initial step) not: nfe - 1.
     assert hist["nfe_backward"] == [n - 1 for n in hist["nfe"]]
     backsolve = _flow(jr.key(3), adjoint=diffrax.BacksolveAdjoint())
@@ -163,9 +181,10 @@ def test_backward_evaluations_are_counted_through_nested_chains():
 
 
 def test_trainer_step_is_public_and_state_is_replaced():
-    data = lambda k, n: 0.5 * jr.normal(k, (n, 2)) + 1.0  # noqa: E731
     flow = _flow(jr.key(8))
-    trainer = cnftrace.Trainer(data, key=jr.key(1), optimizer=optax.adam(1e-2))
+    trainer = cnftrace.Trainer(
+        _gaussian, key=jr.key(1), optimizer=_ADAM, batch_size=BATCH
+    )
     state = trainer.init(flow)
     losses = []
     for _ in range(3):
@@ -176,8 +195,8 @@ def test_trainer_step_is_public_and_state_is_replaced():
     trainer.check(state)
     # The same run through `fit` (which donates the state to the step).
     _, hist = cnftrace.fit(
-        flow, data, key=jr.key(1), steps=3, batch_size=512,
-        optimizer=optax.adam(1e-2), progress=False,
+        flow, _gaussian, key=jr.key(1), steps=3, batch_size=BATCH,
+        optimizer=_ADAM, progress=False,
     )  # fmt: skip
     assert hist["loss"] == losses
 
