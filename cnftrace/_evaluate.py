@@ -117,6 +117,10 @@ def log_prob_batched(
     context = check_context(context, flow.context_dim, n, broadcast=False, host=True)
     model = flow.with_estimator(Exact() if estimator is None else estimator)
     _need_key(key, model.estimators())
+    if not any(e.stochastic for e in model.estimators()):
+        # The exact trace draws nothing: without the key, an evaluation with one
+        # (fit's validation) and one without (the test set's) are one program.
+        key = None
     values, nfes = [], []
     for i, start in enumerate(range(0, n, batch_size)):
         chunk = x[start : start + batch_size]

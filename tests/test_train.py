@@ -236,6 +236,18 @@ def test_log_prob_batched_matches_log_prob():
     # Chunks of another size take other adaptive steps: equal to the tolerance.
     np.testing.assert_allclose(logp, flow.log_prob(x), rtol=1e-6)
     assert logp.shape == (25,) and nfe > 0
+    # The exact trace draws nothing: a key (fit's validation passes one) is dropped,
+    # so the evaluation with it is the program already compiled without it.
+    traces = []
+    event = "/jax/core/compile/jaxpr_trace_duration"
+    listener = lambda name, *_, **__: traces.append(name) if name == event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        keyed = cnftrace.log_prob_batched(flow, x, batch_size=10, key=jr.key(0))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    np.testing.assert_array_equal(keyed, logp)
+    assert traces == []
 
 
 def test_save_and_load_a_flow(tmp_path):
