@@ -110,8 +110,10 @@ def test_context_broadcasts_and_sampling_round_trips():
     np.testing.assert_allclose(logq, flow.log_prob(samples, context=c), atol=1e-6)
     x_back = flow.inverse(flow.forward(x, context=c), context=c)
     np.testing.assert_allclose(x_back, x, atol=1e-7)
-    assert flow.sample(jr.key(3), 4, context=jnp.ones((4, 3))).shape == (4, 2)
-    chain = cnftrace.Chain([flow, _conditional_flow(jr.key(5))])
+    # Six samples and a second block with the first's tolerances: the solves of
+    # `inverse` and `log_prob` above, compiled once.
+    assert flow.sample(jr.key(3), 6, context=jnp.ones((6, 3))).shape == (6, 2)
+    chain = cnftrace.Chain([flow, _conditional_flow(jr.key(5), rtol=1e-8, atol=1e-8)])
     assert chain.context_dim == 3
     assert chain.log_prob(x, context=c).shape == (6,)
 
@@ -125,8 +127,13 @@ def _labelled_8gaussians(key, n):
     return x.astype(jnp.float32), jax.nn.one_hot(labels, 8, dtype=jnp.float32)
 
 
-@pytest.mark.optimized  # 400 training steps
+@pytest.mark.optimized  # 200 training steps
 def test_conditional_8gaussians_samples_land_on_their_mode():
+    """Slow (hundreds of training steps): it trains a model to quality. At a
+    learning rate of 1e-2, 200 steps end 0.01-0.03 nats above the NLL of 400 steps
+    at 5e-3 (two seeds); over four seeds the NLL stays 0.12-0.16 nats under the bar
+    and every class's samples land 0.965-0.985 on their mode. (150 steps at 2e-2
+    leave 0.03 nats on one seed.)"""
     field = cnftrace.ConcatSquashMLP(
         2, width=32, depth=2, context_dim=8, key=jr.key(0), dtype=jnp.float32
     )
@@ -136,11 +143,11 @@ def test_conditional_8gaussians_samples_land_on_their_mode():
         flow,
         _labelled_8gaussians,
         key=jr.key(1),
-        steps=400,
+        steps=200,
         batch_size=256,
-        optimizer=optax.adam(5e-3),
+        optimizer=optax.adam(1e-2),
         progress=False,
-        validation=cnftrace.Validation(x_val, c_val, every=200),
+        validation=cnftrace.Validation(x_val, c_val, every=100),
     )
     # Validation ran with the contexts, and the best parameters were kept.
     assert len(hist["val_nll"]) == 2 and np.all(np.isfinite(hist["val_nll"]))
@@ -152,7 +159,7 @@ def test_conditional_8gaussians_samples_land_on_their_mode():
     for k in range(8):
         assert float(jnp.mean(nearest[labels == k] == k)) > 0.8, k
     # The held-out NLL given the class is near the entropy of one mode, log 8 below
-    # the mixture's (0.80 nats measured, against 0.76).
+    # the mixture's (0.81 nats measured, against 0.75; the bar is 0.95).
     x, c = _labelled_8gaussians(jr.key(99), 2000)
     nll = cnftrace.evaluate_nll(trained, x, context=c)
     assert nll.mean < toy_entropy("8gaussians") - math.log(8) + 0.2

@@ -120,13 +120,22 @@ def test_inverse_undoes_forward(flow, x):
 
 def test_log_prob_is_the_change_of_variables(flow, x):
     """log N(z) + log|det dz/dx| with the Jacobian of the forward map by autodiff."""
+    # Forward-mode autodiff through the solves needs diffrax's ForwardMode adjoint;
+    # the adjoint changes how a solve is differentiated, not what it computes. The
+    # Jacobian by `jacfwd` compiles in about half the time of `jacrev`'s (whose
+    # backward pass holds the checkpointed solves), and agrees with it to 1e-14.
+    forward_mode = eqx.tree_at(
+        lambda f: [b.adjoint for b in f.blocks],
+        flow,
+        [diffrax.ForwardMode()] * len(flow.blocks),
+    )
 
     def forward_flat(v):
-        return flow.forward(v.reshape(x.shape)).ravel()
+        return forward_mode.forward(v.reshape(x.shape)).ravel()
 
     # The Jacobian of the whole batch's map (48 x 48): samples must not mix, beyond
     # the solver's tolerance (they share adaptive steps).
-    jac = jax.jit(jax.jacrev(forward_flat))(x.ravel()).reshape(3, 16, 3, 16)
+    jac = jax.jit(jax.jacfwd(forward_flat))(x.ravel()).reshape(3, 16, 3, 16)
     z = flow.forward(x).reshape(3, 16)
     logp, stats = flow.log_prob(x, return_stats=True)
     assert stats.nfe.shape == (3,)
@@ -160,6 +169,8 @@ def test_regularization_sums_over_blocks(flow, x):
 
 @pytest.mark.slow  # one compilation of a training step
 def test_fit_lowers_the_nll():
+    """Five steps lower the NLL by 5.9 nats on two seeds of `fit`'s key (20 steps:
+    by 9.1), far past the bar of 1 nat."""
     key = jr.key(4)
     mix = jr.normal(key, (16, 16)) / 4 + jnp.eye(16)
     data = (jr.normal(jr.key(5), (128, 16)) @ mix).reshape(128, *SHAPE) + 1.0
@@ -178,14 +189,14 @@ def test_fit_lowers_the_nll():
         flow,
         data,
         key=jr.key(6),
-        steps=20,
+        steps=5,
         batch_size=64,
         optimizer=optax.adam(2e-2),
         progress=False,
     )
     after = cnftrace.evaluate_nll(trained, data)
     assert after.mean < before.mean - 1.0
-    assert len(history["loss"]) == 20
+    assert len(history["loss"]) == 5
     # Every block's evaluations but its initial-step heuristic's are backpropagated.
     blocks = len(flow.blocks)
     assert history["nfe_backward"] == [n - blocks for n in history["nfe"]]
