@@ -346,21 +346,33 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
         pass
     except Exception:  # an unreadable or stale entry: trace again and replace it
         pass
-    if program is None:
+    if program is not None:
+        _attach_compiled(program, directory, args)
+    else:
+        jitted = jax.jit(fn)
+        compiling = None
         try:
-            exported = jax.export.export(
-                jax.jit(fn), platforms=[jax.default_backend()]
-            )(*_specs(args))
+            if _on_first_device(args):
+                # Compiled in the background from this process's own lowering as
+                # soon as it is traced: exporting it (a second lowering) and writing
+                # it happen meanwhile.
+                lowered = jitted.trace(*_specs(args)).lower()
+                compiling = _compile_in_background(
+                    lowered, directory, key, _in_tree(args), lowered.out_tree
+                )
+            exported = jax.export.export(jitted, platforms=[jax.default_backend()])(
+                *_specs(args)
+            )
             data = exported.serialize()
         except Exception:  # something export does not support: trace as usual
             return None
         program = ExportedGrads(exported, key, False)
+        program._future = compiling
         try:
             _atomic_write(path, bytes(data))
             _prune(directory, path)
         except (OSError, CheckpointError):
             pass  # nothing but speed is lost
-    _attach_compiled(program, directory, args)
     _LOADED[key] = program
     while len(_LOADED) > _MAX_LOADED:
         del _LOADED[next(iter(_LOADED))]
@@ -389,9 +401,9 @@ def _attach_compiled(program: ExportedGrads, directory: str, args: tuple) -> Non
     the cache's key. None for arguments on another device than the first."""
     if not _on_first_device(args):
         return
-    in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+    in_tree = _in_tree(args)
     out_tree = program.exported.out_tree
-    path = os.path.join(directory, f"{program.key}-{_machine()}{EXE_SUFFIX}")
+    path = _executable_path(directory, program.key)
     try:
         with open(path, "rb") as f:
             payload = f.read()
@@ -409,6 +421,26 @@ def _attach_compiled(program: ExportedGrads, directory: str, args: tuple) -> Non
         lowered = jax.jit(program.exported.call).lower(*_specs(args))
     except Exception:
         return  # the step inlines the program instead
+    program._future = _compile_in_background(
+        lowered, directory, program.key, in_tree, out_tree
+    )
+
+
+def _in_tree(args: tuple):
+    return jax.tree_util.tree_structure((tuple(args), {}))
+
+
+def _executable_path(directory: str, key: str) -> str:
+    return os.path.join(directory, f"{key}-{_machine()}{EXE_SUFFIX}")
+
+
+def _compile_in_background(
+    lowered, directory: str, key: str, in_tree, out_tree
+) -> concurrent.futures.Future:
+    """`lowered`, compiled in a background thread (XLA compiles without holding
+    Python's lock, so the step's other programs are traced and compiled meanwhile)
+    and written beside the stored program where it was freshly compiled."""
+    path = _executable_path(directory, key)
 
     def compile_and_write():
         # XLA compiles without holding Python's lock.
@@ -430,7 +462,7 @@ def _attach_compiled(program: ExportedGrads, directory: str, args: tuple) -> Non
             pass
         return compiled
 
-    program._future = _COMPILER.submit(compile_and_write)
+    return _COMPILER.submit(compile_and_write)
 
 
 _COMPILER = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-step-compile")

@@ -2,6 +2,7 @@
 progress around it."""
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -38,7 +39,6 @@ from ._trainer import (
     TrainState,
     copy_arrays,
     default_optimizer,
-    step_program,
     training_step,
 )
 
@@ -319,9 +319,13 @@ class _Loop:
         if best is None:
             best = copy_arrays(_params(state.flow))
         self.best = best
-        # Validation keys (used only by stochastic validation estimators) are kept
-        # apart from the training keys `fold_in(key, step)`.
-        self.val_key = jr.fold_in(key, 2**31 - 1)
+
+    @functools.cached_property
+    def val_key(self):
+        """The validation keys' root (used only by stochastic validation estimators),
+        apart from the training keys `fold_in(key, step)`. Made at the first
+        validation: a run without one does not compile it before its first step."""
+        return jr.fold_in(self.key, 2**31 - 1)
 
     def _resume(self, state: TrainState, history_path: str):
         """`(state, best parameters)` from the newest good checkpoint of the same
@@ -387,8 +391,7 @@ class _Loop:
         every = None if self.checkpoints is None else self.checkpoints.every
         # The step's gradient as stored by an earlier process, if there is one
         # (with the compilation cache on): no tracing it again.
-        program = step_program(self.trainer, self.state)
-        step = training_step(self.trainer, self.state, program, donate=True)
+        step = training_step(self.trainer, self.state, donate=True, stored=True)
         for i in bar:
             done = i + 1
             self.state, info = step(self.state)

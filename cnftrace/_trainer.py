@@ -6,6 +6,7 @@ records the step and diffrax's result. Nothing raises inside the compiled step;
 `Trainer.check` raises on the host, wherever the caller syncs.
 """
 
+import concurrent.futures
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -392,12 +393,13 @@ class Trainer(eqx.Module):
 
 
 def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, key):
-    """The objective's value and gradient at the parameters `leaves` (the flow's
-    inexact arrays, flattened by `treedef`; `static` is the rest of the flow), on
-    batch `x` with key data `key` of implementation `impl`. Returns only arrays in
-    plain containers, so that it can be exported and stored (`_stepcache`):
-    `(loss, info, grads, backward)`, with `info`'s solver statistics as `nfe` and
-    `result` (diffrax's result code)."""
+    """The objective's gradient at the parameters `leaves` (the flow's inexact
+    arrays, flattened by `treedef`; `static` is the rest of the flow), on batch `x`
+    with key data `key` of implementation `impl`. Returns only arrays in plain
+    containers, so that it can be exported and stored (`_stepcache`):
+    `(info, grads, finite)`: the step's record (`loss`, the objective's metrics,
+    `nfe`, `nfe_backward`, and `result`, diffrax's result code), the gradient, and
+    whether the loss and the gradient are finite."""
     key = jr.wrap_key_data(key, impl=impl)
     # The gradient with respect to `counter` counts the backward pass's evaluations
     # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
@@ -415,9 +417,15 @@ def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, ke
     if stats is not None:
         info.setdefault("nfe", stats.total_nfe)
         result = stats.first_failure()
-    info["result"] = jax.tree_util.tree_leaves(result)[0]
+    info.setdefault("loss", loss)
+    if "nfe_backward" not in info:
+        info["nfe_backward"] = (
+            jnp.round(backward).astype(int) if backward is not None else -1
+        )
     info = {k: jnp.asarray(v) for k, v in info.items()}
-    return loss, info, grads, backward
+    info["result"] = jnp.asarray(jax.tree_util.tree_leaves(result)[0], jnp.int32)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    return info, grads, finite
 
 
 _RESULT_TREE = jax.tree_util.tree_structure(diffrax.RESULTS.successful)
@@ -463,22 +471,16 @@ def _draw(trainer: Trainer, state: TrainState):
     return batch, ctx, bad_batch, jr.key_data(loss_key)
 
 
-def _update(
-    trainer: Trainer, state: TrainState, bad_batch, loss, info, grads, backward
-):
-    """The state after a step whose gradient program returned `(loss, info, grads,
-    backward)` (see `_objective_grads`): the optimiser's update, unless the step
-    failed or is skipped."""
+def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, result):
+    """`(state, skipped)`: the state after a step whose gradient program returned
+    the gradient `grads` (flattened), whether it and the loss are `finite`, and the
+    solve's `result` code (see `_objective_grads`): the optimiser's update, unless
+    the step failed or is skipped. Its inputs do not depend on the objective, so it
+    can be compiled before the gradient is traced."""
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
     treedef = jax.tree_util.tree_structure(params)
     grads = jax.tree_util.tree_unflatten(treedef, grads)
-    info = dict(info)
-    result = jax.tree_util.tree_unflatten(_RESULT_TREE, [info.pop("result")])
-    info.setdefault("loss", loss)
-    if "nfe_backward" not in info:
-        info["nfe_backward"] = (
-            jnp.round(backward).astype(int) if backward is not None else jnp.asarray(-1)
-        )
+    result = jax.tree_util.tree_unflatten(_RESULT_TREE, [result])
 
     updates, new_opt_state = trainer.optimizer.update(grads, state.opt_state, params)
     # Keep each parameter's dtype (an optax schedule is float64 under x64).
@@ -486,7 +488,7 @@ def _update(
     new_params = eqx.apply_updates(params, updates)
     solved = result == diffrax.RESULTS.successful
     frozen = (state.failed_step > 0) | (state.bad_batch_step > 0)
-    ok = jnp.isfinite(loss) & _all_finite(grads) & solved & ~bad_batch & ~frozen
+    ok = finite & solved & ~bad_batch & ~frozen
     keep_new = lambda new, old: jnp.where(ok, new, old)
     params = jax.tree_util.tree_map(keep_new, new_params, params)
     opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, state.opt_state)
@@ -505,14 +507,24 @@ def _update(
             bad_batch & ~frozen, state.step + 1, state.bad_batch_step
         ),
     )
-    return state, dict(info, skipped=~ok)
+    return state, ~ok
+
+
+def _step_info(info: dict, skipped) -> dict:
+    """What a step returns beside the state: the gradient program's record without
+    the result code (kept in the state), and whether the step was skipped."""
+    info = {k: v for k, v in info.items() if k != "result"}
+    info["skipped"] = skipped
+    return info
 
 
 def _train_step(trainer: Trainer, state: TrainState):
     """One step as one program: what a data-parallel run (a mesh) runs."""
     batch, ctx, bad_batch, key = _draw(trainer, state)
     fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
-    return _update(trainer, state, bad_batch, *fn(*args))
+    info, grads, finite = fn(*args)
+    state, skipped = _update(trainer, state, bad_batch, grads, finite, info["result"])
+    return state, _step_info(info, skipped)
 
 
 _step = eqx.filter_jit(_train_step)
@@ -540,16 +552,40 @@ class _SplitPrograms:
             fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
             return fn(*args)
 
-        def _update_program(trainer_arrays, state_arrays, bad_batch, out):
+        def _update_program(
+            trainer_arrays, state_arrays, bad_batch, grads, finite, result
+        ):
             trainer = eqx.combine(trainer_arrays, trainer_static)
             state = eqx.combine(state_arrays, state_static)
-            new, info = _update(trainer, state, bad_batch, *out)
-            return eqx.filter(new, eqx.is_array), info
+            new, skipped = _update(trainer, state, bad_batch, grads, finite, result)
+            return eqx.filter(new, eqx.is_array), skipped
 
         self.draw = jax.jit(_draw_program)
         self.grads = jax.jit(_grads_program)
         # Only the state is donated (the gradient's buffers cannot be reused).
         self.update = jax.jit(_update_program, donate_argnums=(1,) if donate else ())
+        # `(draw, update)` compiled ahead (`SplitStep`), by their arguments' types.
+        self.ahead: dict = {}
+
+    def compiled_ahead(self, trainer_arrays, state_arrays):
+        """The draw and the update compiled (or compiling) for these arrays' types:
+        made once, so that a later run of the same model reuses them."""
+        leaves, treedef = jax.tree_util.tree_flatten((trainer_arrays, state_arrays))
+        key = (treedef, tuple(jax.typeof(x) for x in leaves))
+        if key not in self.ahead:
+            grads = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype)
+                for x in _grads_input(state_arrays.flow)
+            ]
+            flag = jax.ShapeDtypeStruct((), jnp.bool_)
+            code = jax.ShapeDtypeStruct((), jnp.int32)
+            self.ahead[key] = (
+                _CompiledAhead(self.draw, trainer_arrays, state_arrays.step),
+                _CompiledAhead(
+                    self.update, trainer_arrays, state_arrays, flag, grads, flag, code
+                ),
+            )
+        return self.ahead[key]
 
 
 class _StepOnly(eqx.Module):
@@ -585,38 +621,90 @@ def _grads_input(flow: AbstractFlow) -> list:
     return jax.tree_util.tree_leaves(eqx.filter(flow, eqx.is_inexact_array))
 
 
+class _CompiledAhead:
+    """`jitted`, traced and lowered for `args` when made and compiled in a
+    background thread (XLA compiles without holding Python's lock), so that it
+    compiles while the caller goes on tracing. Called, it waits for that compile and
+    runs the compiled program; it falls back on `jitted` for good if compiling
+    failed or the arguments differ from `args`' types (a `TypeError` or `ValueError`
+    raised before anything runs)."""
+
+    def __init__(self, jitted, *args):
+        self.jitted = jitted
+        self._future = None
+        try:
+            lowered = jitted.trace(*args).lower()
+        except Exception:
+            return
+        self._future = _AHEAD.submit(lowered.compile)
+
+    def __call__(self, *args):
+        if self._future is not None:
+            try:
+                compiled = self._future.result()
+            except Exception:
+                compiled = None
+            self._future = None
+            self._compiled = compiled
+        compiled = getattr(self, "_compiled", None)
+        if compiled is not None:
+            try:
+                return compiled(*args)
+            except (TypeError, ValueError):
+                self._compiled = None
+        return self.jitted(*args)
+
+
+_AHEAD = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-compile-ahead")
+
+
 class SplitStep:
     """One step on one device, as three programs: the draw, the objective's gradient
     and the update. The gradient program is compiled on its own, so that `fit` can
-    take it from disk compiled (`program`, a `_stepcache.ExportedGrads`: no tracing
-    or lowering) and compute bit for bit what `Trainer.step` computes. `donate`:
-    the state's buffers are given to the update. Built once per run; a `TypeError`
-    where the trainer or the flow holds a static part that cannot be hashed."""
+    take it from disk compiled (`stored`: a `_stepcache.ExportedGrads`, no tracing
+    or lowering) and compute bit for bit what `Trainer.step` computes. With
+    `stored`, the draw and the update (whose inputs do not depend on the objective)
+    compile in the background while the gradient is traced, and the gradient while
+    the rest of the first step runs. `donate`: the state's buffers are given to the
+    update. Built once per run; a `TypeError` where the trainer or the flow holds a
+    static part that cannot be hashed."""
 
-    def __init__(self, trainer: Trainer, state: TrainState, program=None, donate=False):
+    def __init__(self, trainer: Trainer, state: TrainState, donate=False, stored=False):
         self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
-        executable = program is not None and program.has_executable
-        self.program = program if executable else None
+        p = self.programs
+        self._draw, self._update, self.program = p.draw, p.update, None
+        if not stored:
+            return
+        arrays = eqx.filter(state, eqx.is_array)
+        self._draw, self._update = p.compiled_ahead(self.trainer_arrays, arrays)
+        program = step_program(trainer, state)
+        if program is not None and program.has_executable:
+            self.program = program
 
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         p = self.programs
         arrays = eqx.filter(state, eqx.is_array)
-        batch, ctx, bad_batch, key = p.draw(self.trainer_arrays, arrays.step)
-        if self.program is not None:
-            out = self.program.executable()(_grads_input(arrays.flow), batch, ctx, key)
-        else:
+        batch, ctx, bad_batch, key = self._draw(self.trainer_arrays, arrays.step)
+        if self.program is None:
             out = p.grads(self.trainer_arrays, arrays, batch, ctx, key)
-        new, info = p.update(self.trainer_arrays, arrays, bad_batch, out)
-        return eqx.combine(new, p.state_static), info
+        else:
+            out = self.program.executable()(_grads_input(arrays.flow), batch, ctx, key)
+        info, grads, finite = out
+        new, skipped = self._update(
+            self.trainer_arrays, arrays, bad_batch, grads, finite, info["result"]
+        )
+        return eqx.combine(new, p.state_static), _step_info(info, skipped)
 
 
-def training_step(trainer: Trainer, state: TrainState, program=None, donate=False):
+def training_step(trainer: Trainer, state: TrainState, donate=False, stored=False):
     """The step `Trainer.step` and `fit` run, as a function of the state: the split
     step on one device, one program on a mesh or where a static part cannot be hashed
-    (both callers take the same one, so they compute the same numbers)."""
+    (both callers take the same one, so they compute the same numbers). `stored`:
+    the gradient program comes from (or goes to) the store beside the compilation
+    cache (`_stepcache`), where it is on."""
     if trainer.mesh is None:
         try:
-            return SplitStep(trainer, state, program, donate)
+            return SplitStep(trainer, state, donate, stored)
         except TypeError:
             pass
     return functools.partial(_step_donating if donate else _step, trainer)

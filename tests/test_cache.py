@@ -19,8 +19,8 @@ import cnftrace
 
 PROBE = os.path.join(os.path.dirname(__file__), "scripts", "cache_probe.py")
 # The training step's programs: the draw, the update, and the gradient program
-# compiled from its stored form (`jax.export`'s `call`).
-DRAW, UPDATE, GRADS = "jit__draw_program", "jit__update_program", "jit_call"
+# (compiled from its own lowering by the process that traces it).
+DRAW, UPDATE, GRADS = "jit__draw_program", "jit__update_program", "jit__objective_grads"
 STEP = (DRAW, UPDATE)
 EVAL = "jit__log_prob_nfe_result"
 

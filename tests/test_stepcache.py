@@ -141,15 +141,23 @@ def test_the_executable_is_stored_only_when_freshly_compiled(cache_dir):
         again = _stepcache.exported_grads(_double, static, args)
         assert again.loaded and again.executable_loaded
         np.testing.assert_array_equal(again.executable()(*args)[0], [0, 2, 4, 6])
-        # Without it, the program compiles through JAX's cache, which serves it:
-        # nothing is written, and the program still computes the same.
+        # Without it, the stored program compiles (the first process compiled its
+        # own lowering, not the stored form) and its executable is written again.
         [executable] = _executables(cache_dir)
         os.remove(os.path.join(cache_dir, _stepcache.SUBDIR, executable))
         _stepcache._LOADED.clear()
         jax.clear_caches()
         third = _stepcache.exported_grads(_double, static, args)
         np.testing.assert_array_equal(third.executable()(*args)[0], [0, 2, 4, 6])
-        assert not third.executable_loaded and _executables(cache_dir) == []
+        assert not third.executable_loaded and _executables(cache_dir) == [executable]
+        # Without it once more, JAX's cache serves that compile: nothing is
+        # written, and the program still computes the same.
+        os.remove(os.path.join(cache_dir, _stepcache.SUBDIR, executable))
+        _stepcache._LOADED.clear()
+        jax.clear_caches()
+        fourth = _stepcache.exported_grads(_double, static, args)
+        np.testing.assert_array_equal(fourth.executable()(*args)[0], [0, 2, 4, 6])
+        assert not fourth.executable_loaded and _executables(cache_dir) == []
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 

@@ -4,6 +4,7 @@ Prints one JSON line: the programs JAX compiled and those it loaded from the cac
 the losses, how often the objective's gradient was traced, and the stored training
 steps this process used (key, whether read from disk, whether its executable was)."""
 
+import functools
 import json
 import logging
 import re
@@ -40,6 +41,7 @@ traced = []
 _grads = _trainer._objective_grads
 
 
+@functools.wraps(_grads)  # compiled under the gradient program's own name
 def _counting(*args, **kwargs):
     traced.append(1)
     return _grads(*args, **kwargs)
