@@ -17,7 +17,6 @@ from ._estimators import (
 )
 from ._evaluate import (
     NLL as NLL,
-    SolverError as SolverError,
     evaluate_nll as evaluate_nll,
     log_prob_batched as log_prob_batched,
 )
@@ -26,6 +25,7 @@ from ._flow import (
     AbstractFlow as AbstractFlow,
     Chain as Chain,
     Regularization as Regularization,
+    SolverError as SolverError,
     SolveStats as SolveStats,
     make_flow as make_flow,
 )

@@ -12,14 +12,7 @@ from jaxtyping import Array, Float
 from ._checks import check_context, check_int
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact
-from ._flow import AbstractFlow, _need_key, _validate_input
-
-
-class SolverError(RuntimeError):
-    """An ODE solve of an evaluation failed (its step limit, say): raised on the
-    host by [`log_prob_batched`][cnftrace.log_prob_batched] and
-    [`evaluate_nll`][cnftrace.evaluate_nll] with diffrax's message and the samples
-    it failed on."""
+from ._flow import AbstractFlow, SolverError, _need_key, _validate_input
 
 
 class NLL(eqx.Module):

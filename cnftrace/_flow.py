@@ -212,7 +212,7 @@ def _validate_input(
         "Remove or impute those samples first."
     )
     if on_host:
-        if not np.isfinite(np.asarray(x)).all():
+        if not _all_finite(x):
             raise ValueError(not_finite)
         x = jnp.asarray(x)
         return (x[None] if unbatched else x), unbatched
@@ -221,6 +221,19 @@ def _validate_input(
         x = x[None]
     x = eqx.error_if(x, jnp.any(~jnp.isfinite(x)), not_finite)
     return x, unbatched
+
+
+@jax.jit
+def _all_finite_jit(x):
+    return jnp.all(jnp.isfinite(x))
+
+
+def _all_finite(x) -> bool:
+    """Whether concrete `x` is all finite, checked where it lives: on the host for
+    NumPy data and arrays in host memory, by a small program on an accelerator."""
+    if isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices()):
+        return bool(_all_finite_jit(x))
+    return bool(np.isfinite(np.asarray(x)).all())
 
 
 def _need_key(key, estimators: Sequence[AbstractEstimator]) -> None:
@@ -288,6 +301,12 @@ def _tracing(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
+def _concrete(x) -> bool:
+    """Whether `x` is data rather than a value being traced (by a caller's `jit`,
+    `grad`, ...): its checks then run on the host, before any program."""
+    return not isinstance(x, jax.core.Tracer)
+
+
 def _compiled(fn: Callable) -> Callable:
     """`fn(flow, *args)` as one compiled program (per flow structure, shapes and
     static arguments) when called on concrete values: run op by op, a first call
@@ -336,11 +355,32 @@ def _sample_program(flow, key, n, dtype, context, log_det):
     return x, _standard_normal_log_prob(z, len(flow.event_shape)) - ld, stats
 
 
+class SolverError(RuntimeError):
+    """An ODE solve failed (its step limit, say): raised on the host, with diffrax's
+    message, by the flows' methods (`log_prob`, `sample`, ...) called outside a
+    `jit`, and by [`log_prob_batched`][cnftrace.log_prob_batched] and
+    [`evaluate_nll`][cnftrace.evaluate_nll] with the samples it failed on."""
+
+
 def _raise_on_failure(out, stats: SolveStats):
-    """`out`, after a runtime check that every solve behind it succeeded: a failed
-    solve raises diffrax's message for its result."""
-    result = stats.first_failure()
-    return result.error_if(out, result != diffrax.RESULTS.successful)
+    """`out`, after a check that every solve behind it succeeded: a failed solve
+    raises diffrax's message for its result; on the host (a `SolverError`) for
+    concrete statistics, by a runtime check inside a caller's transformation."""
+    if _tracing(stats):
+        result = stats.first_failure()
+        return result.error_if(out, result != diffrax.RESULTS.successful)
+    codes = np.asarray(jax.tree_util.tree_leaves(stats.result)[0]).reshape(-1)
+    successful = np.asarray(jax.tree_util.tree_leaves(diffrax.RESULTS.successful)[0])
+    failed = np.flatnonzero(codes != successful)
+    if failed.size:
+        block = int(failed[0])
+        result = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(diffrax.RESULTS.successful),
+            [np.asarray(codes[block], successful.dtype)],
+        )
+        where = f" of block {block} (of {codes.size})" if codes.size > 1 else ""
+        raise SolverError(f"the ODE solve{where} failed: {diffrax.RESULTS[result]}")
+    return out
 
 
 class AbstractFlow(eqx.Module):
@@ -486,7 +526,7 @@ class AbstractFlow(eqx.Module):
         The log-density, a scalar or shape `(n,)`; with `return_stats`, a pair
         `(log_prob, stats)`.
         """
-        x, unbatched = _validate_input(x, self.event_shape, "x")
+        x, unbatched = _validate_input(x, self.event_shape, "x", on_host=_concrete(x))
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -516,7 +556,7 @@ class AbstractFlow(eqx.Module):
         `(log_prob, regularization, stats)` with a
         [`Regularization`][cnftrace.Regularization] of per-sample integrals.
         """
-        x, unbatched = _validate_input(x, self.event_shape, "x")
+        x, unbatched = _validate_input(x, self.event_shape, "x", on_host=_concrete(x))
         if unbatched:
             raise ValueError(f"`x` must be a batch of shape (n, *{self.event_shape}).")
         context = check_context(context, self.context_dim, x.shape[0])
@@ -696,7 +736,7 @@ class AbstractFlow(eqx.Module):
         return dtype
 
     def _map(self, x, inverse, context, return_stats, name):
-        x, unbatched = _validate_input(x, self.event_shape, name)
+        x, unbatched = _validate_input(x, self.event_shape, name, on_host=_concrete(x))
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -705,7 +745,7 @@ class AbstractFlow(eqx.Module):
         return (y, stats) if return_stats else y
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
-        x, unbatched = _validate_input(x, self.event_shape, name)
+        x, unbatched = _validate_input(x, self.event_shape, name, on_host=_concrete(x))
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )

@@ -222,7 +222,7 @@ def test_solver_failure_freezes_the_state_and_names_the_step():
     with pytest.raises(cnftrace.TrainingError, match="at training step 1 "):
         trainer.check(state)
     # Outside training, the same solve raises diffrax's message.
-    with pytest.raises(Exception, match="maximum number of solver steps"):
+    with pytest.raises(cnftrace.SolverError, match="maximum number of solver steps"):
         flow.log_prob(jnp.ones((4, 2)))
     out = flow.transform(jnp.ones((4, 2)), inverse=False, log_det=True, key=None)
     stats = out[2]
