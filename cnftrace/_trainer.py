@@ -447,6 +447,62 @@ def step_program(trainer: Trainer, state: TrainState):
     return exported_grads(fn, (objective, static, places, impl, count), args)
 
 
+def _update_leaves(
+    optimizer, treedef, static, leaves, bad_batch, grads, finite, result
+):
+    """`_update` on one device over the state's arrays flattened (`leaves`, by
+    `treedef`; `static` is the rest of the state), returning the new state's arrays
+    flattened the same way and whether the step was skipped: only arrays in plain
+    containers, so that it can be stored (`_stepcache`)."""
+    state = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
+    new, skipped = _update(optimizer, None, state, bad_batch, grads, finite, result)
+    return jax.tree_util.tree_leaves(eqx.filter(new, eqx.is_array)), skipped
+
+
+def update_program(trainer: Trainer, state: TrainState):
+    """The stored form of the update (`_update_leaves`) for this trainer's optimiser
+    and this state, or `None` (cache off, an optimiser or model the cache cannot
+    describe, or a mesh): a later process reads it compiled instead of tracing
+    the optimiser's update again."""
+    if trainer.mesh is not None or not stepcache_enabled():
+        return None
+    arrays, static = eqx.partition(state, eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(arrays)
+    places = jax.tree_util.tree_unflatten(
+        treedef, [f"{x.dtype}{x.shape}" for x in leaves]
+    )
+    grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _grads_input(arrays.flow)]
+    flag = jax.ShapeDtypeStruct((), jnp.bool_)
+    code = jax.ShapeDtypeStruct((), jnp.int32)
+    fn = functools.partial(_update_leaves, trainer.optimizer, treedef, static)
+    return exported_grads(
+        fn,
+        ("update", trainer.optimizer, static, places),
+        (leaves, flag, grads, flag, code),
+    )
+
+
+class _StoredUpdate:
+    """The update through its stored program (`update_program`), with the split
+    step's signature; the jitted update for good where the program cannot take
+    the arguments (a `TypeError` or `ValueError` raised before anything runs)."""
+
+    def __init__(self, program, jitted):
+        self.program, self.jitted = program, jitted
+
+    def __call__(self, trainer_arrays, arrays, bad_batch, grads, finite, result):
+        if self.program is not None:
+            leaves, treedef = jax.tree_util.tree_flatten(arrays)
+            try:
+                new, skipped = self.program.executable()(
+                    leaves, bad_batch, grads, finite, result
+                )
+                return jax.tree_util.tree_unflatten(treedef, new), skipped
+            except (TypeError, ValueError):
+                self.program = None
+        return self.jitted(trainer_arrays, arrays, bad_batch, grads, finite, result)
+
+
 def _grad_parts(trainer: Trainer, state: TrainState, batch=None, ctx=None, key=None):
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -471,18 +527,20 @@ def _draw(trainer: Trainer, state: TrainState):
     return batch, ctx, bad_batch, jr.key_data(loss_key)
 
 
-def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, result):
+def _update(
+    optimizer, mesh, state: TrainState, bad_batch, grads, finite, result
+) -> tuple[TrainState, Array]:
     """`(state, skipped)`: the state after a step whose gradient program returned
     the gradient `grads` (flattened), whether it and the loss are `finite`, and the
-    solve's `result` code (see `_objective_grads`): the optimiser's update, unless
-    the step failed or is skipped. Its inputs do not depend on the objective, so it
-    can be compiled before the gradient is traced."""
+    solve's `result` code (see `_objective_grads`): `optimizer`'s update, unless the
+    step failed or is skipped. Its inputs do not depend on the objective, so it can
+    be compiled before the gradient is traced."""
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
     treedef = jax.tree_util.tree_structure(params)
     grads = jax.tree_util.tree_unflatten(treedef, grads)
     result = jax.tree_util.tree_unflatten(_RESULT_TREE, [result])
 
-    updates, new_opt_state = trainer.optimizer.update(grads, state.opt_state, params)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
     # Keep each parameter's dtype (an optax schedule is float64 under x64).
     updates = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), updates, params)
     new_params = eqx.apply_updates(params, updates)
@@ -492,8 +550,8 @@ def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, resul
     keep_new = lambda new, old: jnp.where(ok, new, old)
     params = jax.tree_util.tree_map(keep_new, new_params, params)
     opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, state.opt_state)
-    if trainer.mesh is not None:
-        params, opt_state = trainer.mesh.keep_replicated((params, opt_state))
+    if mesh is not None:
+        params, opt_state = mesh.keep_replicated((params, opt_state))
     fails_now = ~solved & ~bad_batch & ~frozen
     state = TrainState(
         step=state.step + 1,
@@ -523,7 +581,9 @@ def _train_step(trainer: Trainer, state: TrainState):
     batch, ctx, bad_batch, key = _draw(trainer, state)
     fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
     info, grads, finite = fn(*args)
-    state, skipped = _update(trainer, state, bad_batch, grads, finite, info["result"])
+    state, skipped = _update(
+        trainer.optimizer, trainer.mesh, state, bad_batch, grads, finite, info["result"]
+    )
     return state, _step_info(info, skipped)
 
 
@@ -557,7 +617,9 @@ class _SplitPrograms:
         ):
             trainer = eqx.combine(trainer_arrays, trainer_static)
             state = eqx.combine(state_arrays, state_static)
-            new, skipped = _update(trainer, state, bad_batch, grads, finite, result)
+            new, skipped = _update(
+                trainer.optimizer, None, state, bad_batch, grads, finite, result
+            )
             return eqx.filter(new, eqx.is_array), skipped
 
         self.draw = jax.jit(_draw_program)
@@ -567,12 +629,16 @@ class _SplitPrograms:
         # `(draw, update)` compiled ahead (`SplitStep`), by their arguments' types.
         self.ahead: dict = {}
 
-    def compiled_ahead(self, trainer_arrays, state_arrays):
-        """The draw and the update compiled (or compiling) for these arrays' types:
-        made once, so that a later run of the same model reuses them."""
+    def compiled_ahead(self, trainer_arrays, state_arrays, update=True):
+        """The draw and the update (`None` unless `update`) compiled (or compiling)
+        for these arrays' types: made once, so that a later run of the same model
+        reuses them."""
         leaves, treedef = jax.tree_util.tree_flatten((trainer_arrays, state_arrays))
-        key = (treedef, tuple(jax.typeof(x) for x in leaves))
-        if key not in self.ahead:
+        key = (treedef, tuple(jax.typeof(x) for x in leaves), update)
+        if key not in self.ahead and not update:
+            draw = _CompiledAhead(self.draw, trainer_arrays, state_arrays.step)
+            self.ahead[key] = (draw, None)
+        elif key not in self.ahead:
             grads = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype)
                 for x in _grads_input(state_arrays.flow)
@@ -676,7 +742,13 @@ class SplitStep:
         if not stored:
             return
         arrays = eqx.filter(state, eqx.is_array)
-        self._draw, self._update = p.compiled_ahead(self.trainer_arrays, arrays)
+        # The update read from the store, or compiled while the gradient is traced.
+        stored = update_program(trainer, state)
+        if stored is not None and stored.has_executable:
+            self._draw, _ = p.compiled_ahead(self.trainer_arrays, arrays, False)
+            self._update = _StoredUpdate(stored, p.update)
+        else:
+            self._draw, self._update = p.compiled_ahead(self.trainer_arrays, arrays)
         program = step_program(trainer, state)
         if program is not None and program.has_executable:
             self.program = program

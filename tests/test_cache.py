@@ -18,10 +18,11 @@ from jax.experimental.compilation_cache import compilation_cache
 import cnftrace
 
 PROBE = os.path.join(os.path.dirname(__file__), "scripts", "cache_probe.py")
-# The training step's programs: the draw, the update, and the gradient program
-# (compiled from its own lowering by the process that traces it).
-DRAW, UPDATE, GRADS = "jit__draw_program", "jit__update_program", "jit__objective_grads"
-STEP = (DRAW, UPDATE)
+# The training step's programs: the draw, and the update and the gradient, which the
+# process that traces them compiles from its own lowering and stores
+# (`_stepcache`) for a later process to read compiled.
+DRAW, UPDATE, GRADS = "jit__draw_program", "jit__update_leaves", "jit__objective_grads"
+STORED = (UPDATE, GRADS)
 EVAL = "jit__log_prob_nfe_result"
 
 
@@ -44,31 +45,35 @@ def test_a_second_process_loads_the_training_step_and_the_evaluation(tmp_path):
     cache = tmp_path / "cache"
     cold = _probe(cache)
     assert cold["directory"] == str(cache) and cold["cache_dir"] == str(cache)
-    assert cold["loaded"] == [] and {*STEP, GRADS, EVAL} <= set(cold["missed"])
+    assert cold["loaded"] == [] and {DRAW, *STORED, EVAL} <= set(cold["missed"])
     stored = os.listdir(cache)
     # No host callback in any of the programs, so all were written.
-    for name in (*STEP, GRADS, EVAL):
+    for name in (DRAW, *STORED, EVAL):
         assert any(f.startswith(name + "-") for f in stored), (name, stored)
     # Two steps, one program each: the first state is committed to its device like
     # the ones the step returns (else the second step compiles again).
-    for name in (*STEP, GRADS):
+    for name in (DRAW, *STORED):
         assert cold["missed"].count(name) == 1, cold["missed"]
-    # The step's gradient was traced and stored by the cold process, with its
-    # executable for this machine ...
+    # The step's gradient and update were traced and stored by the cold process,
+    # with their executables for this machine ...
     assert cold["traced"] == 1
-    [(key, from_disk, executable_from_disk)] = cold["stored_steps"]
-    assert not from_disk and not executable_from_disk
+    keys = [key for key, _, _ in cold["stored_steps"]]
+    assert len(keys) == 2
+    assert all(
+        not loaded and not exe_loaded for _, loaded, exe_loaded in cold["stored_steps"]
+    )
     steps = os.listdir(cache / "cnftrace-steps")
-    [executable] = [name for name in steps if name.endswith(".xlaexe")]
-    assert sorted(steps) == sorted([key + ".jaxexport", executable])
-    assert executable.startswith(key + "-")
+    executables = [name for name in steps if name.endswith(".xlaexe")]
+    assert sorted(steps) == sorted([key + ".jaxexport" for key in keys] + executables)
+    assert sorted(name.split("-")[0] for name in executables) == sorted(keys)
     warm = _probe(cache)
-    assert {*STEP, EVAL} <= set(warm["loaded"])
-    assert not {*STEP, EVAL} & set(warm["missed"])
+    assert {DRAW, EVAL} <= set(warm["loaded"])
+    assert not {DRAW, EVAL} & set(warm["missed"])
     # ... and read back by the warm one: neither traced, nor lowered and looked up
-    # in JAX's cache, nor compiled; it computes the same.
-    assert GRADS not in warm["loaded"] + warm["missed"]
-    assert warm["traced"] == 0 and warm["stored_steps"] == [[key, True, True]]
+    # in JAX's cache, nor compiled; they compute the same.
+    assert not set(STORED) & set(warm["loaded"] + warm["missed"])
+    assert warm["traced"] == 0
+    assert warm["stored_steps"] == [[key, True, True] for key in sorted(keys)]
     assert warm["losses"] == cold["losses"] and len(cold["losses"]) == 2
     assert cold["finite"] and warm["finite"]
 

@@ -203,16 +203,24 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
         )  # fmt: skip
 
     stored, stored_history = train()
-    [program] = _stepcache._LOADED.values()
-    assert os.path.exists(
-        os.path.join(cache_dir, _stepcache.SUBDIR, program.key + _stepcache.SUFFIX)
-    )
+    programs = list(_stepcache._LOADED.values())  # the gradient and the update
+    assert len(programs) == 2
+    for program in programs:
+        path = os.path.join(cache_dir, _stepcache.SUBDIR, program.key)
+        assert os.path.exists(path + _stepcache.SUFFIX)
+    # A second run, as a new process would, reads both, executables included.
+    _stepcache._LOADED.clear()
+    jax.clear_caches()
+    again, again_history = train()
+    assert all(p.loaded and p.executable_loaded for p in _stepcache._LOADED.values())
+    np.testing.assert_array_equal(again_history["loss"], stored_history["loss"])
     monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
     traced, traced_history = train()
     np.testing.assert_array_equal(stored_history["loss"], traced_history["loss"])
     np.testing.assert_array_equal(stored_history["nfe"], traced_history["nfe"])
-    for a, b in zip(
-        jax.tree_util.tree_leaves(eqx.filter(stored, eqx.is_array)),
-        jax.tree_util.tree_leaves(eqx.filter(traced, eqx.is_array)),
-    ):
-        np.testing.assert_array_equal(a, b)
+    for other in (again, traced):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(eqx.filter(stored, eqx.is_array)),
+            jax.tree_util.tree_leaves(eqx.filter(other, eqx.is_array)),
+        ):
+            np.testing.assert_array_equal(a, b)
