@@ -1,5 +1,5 @@
-"""The training step's gradient, traced once and kept on disk beside the compilation
-cache, with its executable.
+"""The training step's gradient and update, each traced once and kept on disk beside
+the compilation cache, with its executable.
 
 JAX's persistent compilation cache (`_cache.py`) keys a compiled program by the
 program itself, so a new process must trace and lower its training step before it can
@@ -8,7 +8,9 @@ checkpointed backward pass, and a few tenths of a second more to lower and hash 
 This module stores that traced program (the gradient of the objective with respect
 to the flow's parameters, exported with `jax.export`) and its executable compiled for
 this machine, so that a later process with the same flow, objective, shapes and
-library versions reads both back and calls the executable (`_trainer.SplitStep`).
+library versions reads both back and calls the executable (`_trainer.SplitStep`);
+the optimiser's update (`_trainer.update_program`) is stored the same way, keyed by
+the optimiser and the state.
 
 A stored program is only correct for the exact Python objects it was traced from, so
 its key describes all of them: every static field of the flow and the objective
@@ -16,7 +18,8 @@ its key describes all of them: every static field of the flow and the objective
 of jax, jaxlib and the libraries the step calls, the source of cnftrace itself and the
 JAX settings that change tracing. Anything the description cannot vouch for (a class,
 function or object defined outside cnftrace and the libraries it versions, such as a
-user's own vector field) makes the step uncacheable, and it is traced as usual.
+user's own vector field or optimiser) makes that program uncacheable, and it is
+traced as usual.
 """
 
 import concurrent.futures
