@@ -366,7 +366,7 @@ class _Loop:
         self.elapsed = header.get("seconds", seconds[-1] if seconds else 0.0)
         _, static = eqx.partition(state.flow, eqx.is_inexact_array)
         state = TrainState(
-            step=jnp.asarray(first_step),
+            step=jnp.asarray(first_step, jnp.int32),
             flow=eqx.combine(params, static),
             opt_state=opt_state,
             failures=jnp.zeros((), jnp.int32),

@@ -132,8 +132,12 @@ def copy_arrays(tree):
 def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
     """A copy of `params` in buffers of its own, and the optimiser's fresh state if
     `init`: one program (run op by op, the optimiser's `init` compiles a program for
-    each parameter shape)."""
-    return copy_arrays(params), optimizer.init(params) if init else None
+    each parameter shape). The copies are strongly typed (a weakly typed parameter,
+    `jnp.asarray(1.0)` say, would come out of the first update strongly typed, and
+    the step would compile again for it)."""
+    strong = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
+    params = copy_arrays(strong)  # a copy, not the caller's buffers forwarded
+    return params, optimizer.init(params) if init else None
 
 
 def _all_finite(tree) -> Array:
@@ -319,7 +323,9 @@ class Trainer(eqx.Module):
         # Distinct buffers: the step that `fit` runs donates each of them.
         zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         state = TrainState(
-            step=jnp.asarray(0),
+            # Counters of one dtype whatever JAX's default integer (the update
+            # keeps them so: the step is compiled for the types it returns).
+            step=jnp.zeros((), jnp.int32),
             flow=eqx.combine(params, static),
             opt_state=opt_state,
             failures=zero(),
@@ -752,6 +758,11 @@ class SplitStep:
         program = step_program(trainer, state)
         if program is not None and program.has_executable:
             self.program = program
+        elif isinstance(self._update, _StoredUpdate):
+            # The stored update returns uncommitted arrays, which the jitted gradient
+            # would compile a second program for: with the gradient jitted, the
+            # update is too.
+            self._update = p.compiled_ahead(self.trainer_arrays, arrays)[1]
 
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         p = self.programs

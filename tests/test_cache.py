@@ -75,6 +75,8 @@ def test_a_second_process_loads_the_training_step_and_the_evaluation(tmp_path):
     assert warm["traced"] == 0
     assert warm["stored_steps"] == [[key, True, True] for key in sorted(keys)]
     assert warm["losses"] == cold["losses"] and len(cold["losses"]) == 2
+    # The stored update ran (never the jitted one it falls back on).
+    assert "jit__update_program" not in cold["missed"] + warm["missed"] + warm["loaded"]
     assert cold["finite"] and warm["finite"]
 
 

@@ -202,7 +202,16 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
             progress=False,
         )  # fmt: skip
 
-    stored, stored_history = train()
+    traced = []
+    listener = lambda name, *_, fun_name=None, **__: traced.append(fun_name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        stored, stored_history = train()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    # The stored update ran at every step, never the jitted one it falls back on
+    # (under x64 too, where the state's types must come out as they went in).
+    assert "_update_program" not in traced, traced
     programs = list(_stepcache._LOADED.values())  # the gradient and the update
     assert len(programs) == 2
     for program in programs:
@@ -215,7 +224,17 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
     assert all(p.loaded and p.executable_loaded for p in _stepcache._LOADED.values())
     np.testing.assert_array_equal(again_history["loss"], stored_history["loss"])
     monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
-    traced, traced_history = train()
+    names = []
+    listener = lambda name, *_, fun_name=None, **__: names.append(fun_name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        traced, traced_history = train()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    # Jitted, each of the step's programs is traced once: the states the step
+    # returns have the types (and placement) of the first.
+    for name in ("_draw_program", "_grads_program", "_update_program"):
+        assert names.count(name) == 1, (name, names.count(name))
     np.testing.assert_array_equal(stored_history["loss"], traced_history["loss"])
     np.testing.assert_array_equal(stored_history["nfe"], traced_history["nfe"])
     for other in (again, traced):
