@@ -189,6 +189,17 @@ def test_the_store_keeps_the_newest_entries_within_its_bound(tmp_path, monkeypat
     assert left == sorted(["0.jaxexport", "3.jaxexport", "other.txt"])
 
 
+def _traced(call):
+    """`call()` and the names of the functions JAX traced for it."""
+    names = []
+    listener = lambda name, *_, fun_name=None, **__: names.append(fun_name)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return call(), names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
     cache_dir, monkeypatch
 ):
@@ -202,16 +213,10 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
             progress=False,
         )  # fmt: skip
 
-    traced = []
-    listener = lambda name, *_, fun_name=None, **__: traced.append(fun_name)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        stored, stored_history = train()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    (stored, stored_history), stored_names = _traced(train)
     # The stored update ran at every step, never the jitted one it falls back on
     # (under x64 too, where the state's types must come out as they went in).
-    assert "_update_program" not in traced, traced
+    assert "_update_program" not in stored_names, stored_names
     programs = list(_stepcache._LOADED.values())  # the gradient and the update
     assert len(programs) == 2
     for program in programs:
@@ -224,13 +229,7 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
     assert all(p.loaded and p.executable_loaded for p in _stepcache._LOADED.values())
     np.testing.assert_array_equal(again_history["loss"], stored_history["loss"])
     monkeypatch.setenv("CNFTRACE_COMPILATION_CACHE", "0")
-    names = []
-    listener = lambda name, *_, fun_name=None, **__: names.append(fun_name)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        traced, traced_history = train()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    (traced, traced_history), names = _traced(train)
     # Jitted, each of the step's programs is traced once: the states the step
     # returns have the types (and placement) of the first.
     for name in ("_draw_program", "_grads_program", "_update_program"):
