@@ -732,14 +732,14 @@ _AHEAD = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-compile-ahead")
 
 class SplitStep:
     """One step on one device, as three programs: the draw, the objective's gradient
-    and the update. The gradient program is compiled on its own, so that `fit` can
-    take it from disk compiled (`stored`: a `_stepcache.ExportedGrads`, no tracing
-    or lowering) and compute bit for bit what `Trainer.step` computes. With
-    `stored`, the draw and the update (whose inputs do not depend on the objective)
-    compile in the background while the gradient is traced, and the gradient while
-    the rest of the first step runs. `donate`: the state's buffers are given to the
-    update. Built once per run; a `TypeError` where the trainer or the flow holds a
-    static part that cannot be hashed."""
+    and the update. With `stored` (what `fit` runs), the gradient and the update
+    are taken compiled from the store beside the compilation cache (`_stepcache`:
+    no tracing or lowering), or put there, and compute bit for bit what
+    `Trainer.step` computes; the draw and the update (whose inputs do not depend on
+    the objective) compile in the background while the gradient is traced, and the
+    gradient while the rest of the first step runs. `donate`: the state's buffers
+    are given to the update. Built once per run; a `TypeError` where the trainer or
+    the flow holds a static part that cannot be hashed."""
 
     def __init__(self, trainer: Trainer, state: TrainState, donate=False, stored=False):
         self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
@@ -749,10 +749,10 @@ class SplitStep:
             return
         arrays = eqx.filter(state, eqx.is_array)
         # The update read from the store, or compiled while the gradient is traced.
-        stored = update_program(trainer, state)
-        if stored is not None and stored.has_executable:
+        update = update_program(trainer, state)
+        if update is not None and update.has_executable:
             self._draw, _ = p.compiled_ahead(self.trainer_arrays, arrays, False)
-            self._update = _StoredUpdate(stored, p.update)
+            self._update = _StoredUpdate(update, p.update)
         else:
             self._draw, self._update = p.compiled_ahead(self.trainer_arrays, arrays)
         program = step_program(trainer, state)
