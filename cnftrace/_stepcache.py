@@ -382,10 +382,18 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
     return program
 
 
-def _specs(args) -> Any:
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args
+def _spec(x) -> jax.ShapeDtypeStruct:
+    # An array committed to its device keeps its placement, so the program's
+    # outputs are committed too, as a jitted program's are for committed inputs
+    # (else a jitted program they are passed to compiles a second time).
+    committed = isinstance(x, jax.Array) and x.committed
+    return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if committed else None
     )
+
+
+def _specs(args) -> Any:
+    return jax.tree_util.tree_map(_spec, args)
 
 
 def _on_first_device(args) -> bool:

@@ -477,15 +477,21 @@ def update_program(trainer: Trainer, state: TrainState):
     places = jax.tree_util.tree_unflatten(
         treedef, [f"{x.dtype}{x.shape}" for x in leaves]
     )
-    grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _grads_input(arrays.flow)]
-    flag = jax.ShapeDtypeStruct((), jnp.bool_)
-    code = jax.ShapeDtypeStruct((), jnp.int32)
     fn = functools.partial(_update_leaves, trainer.optimizer, treedef, static)
     return exported_grads(
         fn,
         ("update", trainer.optimizer, static, places),
-        (leaves, flag, grads, flag, code),
+        (leaves, *_update_inputs(arrays.flow)),
     )
+
+
+def _update_inputs(flow: AbstractFlow) -> tuple:
+    """The shapes of what the update takes from a step beside the state: whether
+    the batch was bad, the gradient (flattened), whether it and the loss are
+    finite, and the solve's result code."""
+    grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _grads_input(flow)]
+    flag = jax.ShapeDtypeStruct((), jnp.bool_)
+    return flag, grads, flag, jax.ShapeDtypeStruct((), jnp.int32)
 
 
 class _StoredUpdate:
@@ -632,31 +638,32 @@ class _SplitPrograms:
         self.grads = jax.jit(_grads_program)
         # Only the state is donated (the gradient's buffers cannot be reused).
         self.update = jax.jit(_update_program, donate_argnums=(1,) if donate else ())
-        # `(draw, update)` compiled ahead (`SplitStep`), by their arguments' types.
+        # The draw and the update compiled ahead (`SplitStep`), by their arguments'
+        # types.
         self.ahead: dict = {}
 
-    def compiled_ahead(self, trainer_arrays, state_arrays, update=True):
-        """The draw and the update (`None` unless `update`) compiled (or compiling)
-        for these arrays' types: made once, so that a later run of the same model
-        reuses them."""
+    def draw_ahead(self, trainer_arrays, state_arrays) -> "_CompiledAhead":
+        """The draw compiled (or compiling) for these arrays' types: made once, so
+        that a later run of the same model reuses it."""
+        return self._ahead("draw", trainer_arrays, state_arrays)
+
+    def update_ahead(self, trainer_arrays, state_arrays) -> "_CompiledAhead":
+        """The update, as `draw_ahead`."""
+        return self._ahead("update", trainer_arrays, state_arrays)
+
+    def _ahead(self, which, trainer_arrays, state_arrays):
         leaves, treedef = jax.tree_util.tree_flatten((trainer_arrays, state_arrays))
-        key = (treedef, tuple(jax.typeof(x) for x in leaves), update)
-        if key not in self.ahead and not update:
-            draw = _CompiledAhead(self.draw, trainer_arrays, state_arrays.step)
-            self.ahead[key] = (draw, None)
-        elif key not in self.ahead:
-            grads = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype)
-                for x in _grads_input(state_arrays.flow)
-            ]
-            flag = jax.ShapeDtypeStruct((), jnp.bool_)
-            code = jax.ShapeDtypeStruct((), jnp.int32)
-            self.ahead[key] = (
-                _CompiledAhead(self.draw, trainer_arrays, state_arrays.step),
-                _CompiledAhead(
-                    self.update, trainer_arrays, state_arrays, flag, grads, flag, code
-                ),
-            )
+        key = (which, treedef, tuple(jax.typeof(x) for x in leaves))
+        if key not in self.ahead:
+            if which == "draw":
+                args = (trainer_arrays, state_arrays.step)
+            else:
+                args = (
+                    trainer_arrays,
+                    state_arrays,
+                    *_update_inputs(state_arrays.flow),
+                )
+            self.ahead[key] = _CompiledAhead(getattr(self, which), *args)
         return self.ahead[key]
 
 
@@ -748,21 +755,16 @@ class SplitStep:
         if not stored:
             return
         arrays = eqx.filter(state, eqx.is_array)
+        self._draw = p.draw_ahead(self.trainer_arrays, arrays)
         # The update read from the store, or compiled while the gradient is traced.
         update = update_program(trainer, state)
         if update is not None and update.has_executable:
-            self._draw, _ = p.compiled_ahead(self.trainer_arrays, arrays, False)
             self._update = _StoredUpdate(update, p.update)
         else:
-            self._draw, self._update = p.compiled_ahead(self.trainer_arrays, arrays)
+            self._update = p.update_ahead(self.trainer_arrays, arrays)
         program = step_program(trainer, state)
         if program is not None and program.has_executable:
             self.program = program
-        elif isinstance(self._update, _StoredUpdate):
-            # The stored update returns uncommitted arrays, which the jitted gradient
-            # would compile a second program for: with the gradient jitted, the
-            # update is too.
-            self._update = p.compiled_ahead(self.trainer_arrays, arrays)[1]
 
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         p = self.programs
