@@ -1016,14 +1016,28 @@ class CNF(AbstractFlow):
             if dt0.dtype == jnp.result_type(float):
                 # The controller starts from this step; diffeqsolve gets a Python
                 # number of its sign, like the span, so it checks the sign while
-                # tracing and not with a callback at run time. (A state narrower
-                # than JAX's default float, float32 under x64, keeps the step as
-                # `dt0`: Python numbers would make the solve's time, and so its
-                # state, float64.)
+                # tracing and not with a callback at run time.
                 controller = _FromFirstStep(controller, dt0)
                 dt0 = -1.0 if inverse else 1.0
         else:
             dt0 = -self.dt0 if inverse else self.dt0
+        if (
+            is_number(t_start)
+            and is_number(t_end)
+            and jnp.dtype(x.dtype) != jnp.result_type(float)
+        ):
+            # A state narrower than JAX's default float (float32 under x64): Python
+            # numbers would make the solve's time, and so its state, float64. The
+            # span goes in the state's dtype instead.
+            t_start, t_end = (np.asarray(t, x.dtype) for t in (t_start, t_end))
+            if not isinstance(adjoint, diffrax.BacksolveAdjoint):
+                # diffeqsolve gets no `dt0`, whose sign it would check against that
+                # span with a callback at run time (which keeps the program out of
+                # JAX's persistent cache): the controller starts from it.
+                # (BacksolveAdjoint starts its backward solve from `-dt0`, so it
+                # keeps the step as `dt0`.)
+                controller = _FromFirstStep(controller, jnp.asarray(dt0, x.dtype))
+                dt0 = None
         sol = diffrax.diffeqsolve(
             term,
             self.solver,

@@ -60,6 +60,26 @@ def _mlp_flow(key, d=2, **kwargs):
     return cnftrace.CNF(field, d, t1=0.5, **kwargs)
 
 
+def test_a_float32_flow_under_x64_solves_in_float32():
+    """With x64 on (as in these tests), a float32 flow's solve keeps float32 time and
+    state: Python numbers for its span would make both float64 (with a given `dt0`
+    the solve then failed on the mismatch)."""
+    assert jax.config.jax_enable_x64
+    d = 3
+    a = 0.5 * jr.normal(jr.key(0), (d, d))
+    x = jr.normal(jr.key(1), (5, d))
+    z = x @ jsp.linalg.expm(0.8 * a).T
+    want = _std_normal_logpdf(z) + 0.8 * jnp.trace(a)
+    for dt0 in (None, 0.1):
+        flow = cnftrace.CNF(
+            Linear(a.astype(jnp.float32)), d, t0=0.2, t1=1.0, rtol=1e-6, atol=1e-6,
+            dt0=dt0,
+        )  # fmt: skip
+        got = flow.log_prob(x.astype(jnp.float32))
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_round_trips():
     flow = cnftrace.Chain(
         [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cnftrace
-from cnftrace import _stepcache
+from cnftrace import _stepcache, _trainer
 
 ARGS = ([jnp.zeros((4, 2))], jnp.zeros((8, 2)), None, jnp.zeros((2,), jnp.uint32))
 
@@ -242,3 +242,23 @@ def test_fit_through_the_stored_step_computes_what_the_traced_step_does(
             jax.tree_util.tree_leaves(eqx.filter(other, eqx.is_array)),
         ):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_float32_flow_under_x64_is_stored_and_solves_in_float32(cache_dir):
+    """Under x64 (as in these tests) a float32 flow's step used to hold host
+    callbacks: its computed first step went to diffrax as a traced `dt0`, whose sign
+    diffrax checks at run time. `jax.export` refuses such a program, so every
+    process traced and compiled the step again, and JAX's cache kept none of it."""
+    assert jax.config.jax_enable_x64
+    flow = _flow(dtype=jnp.float32)
+    x = np.asarray(jr.normal(jr.key(3), (64, 2)), np.float32)
+    trainer = _trainer.Trainer(x, key=jr.key(1), batch_size=16)
+    state = trainer.init(flow)
+    program = _trainer.step_program(trainer, state)
+    assert program is not None and not program.loaded
+    batch, ctx, _, key = _trainer._draw(trainer, state)
+    leaves = _trainer._grads_input(state.flow)
+    info, grads, finite = program.executable()(leaves, batch, ctx, key)
+    # The solve's time, and so its state, stays float32 (not promoted to float64).
+    assert info["loss"].dtype == jnp.float32 and bool(finite)
+    assert all(g.dtype == jnp.float32 for g in grads)
