@@ -8,6 +8,7 @@ integers: a JAX array there would become a tracer under `jit`. `bool` is a subcl
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -67,6 +68,9 @@ def check_context(
     - `host`: `context` is data on the host (training or test contexts); a NaN or
         inf raises a `ValueError` at once. Otherwise the check is an `eqx.error_if`,
         which also works under `jit`.
+
+    A `jax.ShapeDtypeStruct` (what a data function returns under `jax.eval_shape`)
+    has its dtype and shape checked, and is returned as it is.
     """
     if context_dim is None:
         if context is not None:
@@ -83,12 +87,16 @@ def check_context(
             f"this flow is conditional (context_dim={context_dim}) and needs "
             f"`{name}`: an array of shape {want}."
         )
-    context = np.asarray(context) if host else jnp.asarray(context)
+    shapes_only = isinstance(context, jax.ShapeDtypeStruct)
+    if not shapes_only:
+        context = np.asarray(context) if host else jnp.asarray(context)
     if not jnp.issubdtype(context.dtype, jnp.floating):
         raise TypeError(
             f"`{name}` has dtype {context.dtype}; a context must be floating point "
             "(one-hot encode labels, e.g. `jax.nn.one_hot(labels, num_classes)`)."
         )
+    if shapes_only:
+        broadcast = False
     if broadcast and context.shape == (context_dim,):
         context = jnp.broadcast_to(context, (n, context_dim))
     elif unbatched or context.shape != (n, context_dim):
@@ -99,6 +107,8 @@ def check_context(
             f"`{name}` has shape {context.shape}; this call needs shape {want}, one "
             "row per sample."
         )
+    if shapes_only:
+        return context
     if host:
         if not np.isfinite(context).all():
             raise ValueError(f"`{name}` contains NaN or inf; pass finite contexts.")
@@ -135,8 +145,12 @@ def check_event_shape(shape, name: str, event_shape: tuple[int, ...]) -> None:
 
 def check_samples(data, name: str, event_shape: tuple[int, ...] | None) -> Array:
     """`data` as an array of finite floating samples of shape `(n, *event_shape)`
-    (any event shape if `None`), or a clear error. Checked on the host."""
-    data = np.asarray(data)
+    (any event shape if `None`), or a clear error. Checked on the host. A
+    `jax.ShapeDtypeStruct` has its shape and dtype checked, and is returned as it
+    is."""
+    shapes_only = isinstance(data, jax.ShapeDtypeStruct)
+    if not shapes_only:
+        data = np.asarray(data)
     if data.ndim < 2 or data.shape[0] < 1:
         raise ValueError(
             f"`{name}` must be an array of samples of shape (n, *event) or a function "
@@ -150,6 +164,8 @@ def check_samples(data, name: str, event_shape: tuple[int, ...] | None) -> Array
             "(dequantise integer data)."
         )
     check_precision(data.dtype, name)
+    if shapes_only:
+        return data
     bad = ~np.isfinite(data.reshape(data.shape[0], -1)).all(axis=1)
     if bad.any():
         rows = np.flatnonzero(bad)

@@ -279,14 +279,15 @@ class Trainer(eqx.Module):
         self.sample = sample
 
     def check_data(self, flow: AbstractFlow) -> None:
-        """Checks the data against `flow` (shapes, dtypes, contexts), drawing one
-        small batch from a generator, so that a mismatch fails here rather than
-        inside the compiled step."""
+        """Checks the data against `flow` (shapes, dtypes, contexts), so that a
+        mismatch fails here rather than inside the compiled step. A generator is
+        traced for the shapes and dtypes of a batch, not run (its values are
+        checked in every step: a batch with NaN or inf stops the step, and `check`
+        raises for it)."""
         conditional = flow.context_dim is not None
         if isinstance(self.sample, _GeneratorSampler):
             what = "data(key, batch_size)"
-            # Jitted, as in the step: one small program instead of one per operation.
-            first = jax.jit(self.sample.data, static_argnums=1)(jr.key(0), 2)
+            first = jax.eval_shape(lambda key: self.sample.data(key, 2), self.key)
             if conditional and not (isinstance(first, tuple) and len(first) == 2):
                 raise ValueError(
                     f"the flow is conditional, so `{what}` must return a pair "
