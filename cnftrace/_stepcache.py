@@ -476,7 +476,8 @@ def _compile_in_background(
     return _COMPILER.submit(compile_and_write)
 
 
-_COMPILER = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-step-compile")
+# Two threads: the gradient and the update compile side by side.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(2, "cnftrace-step-compile")
 # The threads whose last compile JAX's compilation cache served.
 _CACHE_HITS: set[int] = set()
 

@@ -756,16 +756,19 @@ class SplitStep:
         if not stored:
             return
         arrays = eqx.filter(state, eqx.is_array)
+        # The draw compiles while the gradient is traced; the update is traced
+        # while the gradient compiles (which leaves a core free for its first
+        # second or so), and compiles beside it.
         self._draw = p.draw_ahead(self.trainer_arrays, arrays)
-        # The update read from the store, or compiled while the gradient is traced.
+        program = step_program(trainer, state)
+        if program is not None and program.has_executable:
+            self.program = program
+        # The update read from the store, or compiled now.
         update = update_program(trainer, state)
         if update is not None and update.has_executable:
             self._update = _StoredUpdate(update, p.update)
         else:
             self._update = p.update_ahead(self.trainer_arrays, arrays)
-        program = step_program(trainer, state)
-        if program is not None and program.has_executable:
-            self.program = program
 
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         p = self.programs
