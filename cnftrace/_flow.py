@@ -135,14 +135,15 @@ def _standard_normal_log_prob(z: Array, event_ndim: int) -> Array:
 
 
 class _FromFirstStep(diffrax.AbstractAdaptiveStepSizeController):
-    """A `PIDController` that starts from a step the caller has computed (a traced
-    value).
+    """A `PIDController` that starts from a given first step (a traced value, or the
+    user's `dt0`).
 
-    Given as `dt0`, a traced first step makes diffrax check its sign with an
-    `eqx.error_if`, a host callback in the compiled program, and JAX's persistent
-    compilation cache stores no program that holds one. So `diffeqsolve` gets a
-    constant `dt0` of the right sign and dtype, and the controller starts from the
-    magnitude of the computed step (diffrax solves in the direction of time)."""
+    Given as `dt0`, a first step makes diffrax check its sign against the span, with
+    an `eqx.error_if` (a host callback in the compiled program, which JAX's
+    persistent compilation cache does not store) unless the step and the span are
+    Python numbers. So `diffeqsolve` gets no `dt0` (or, for `BacksolveAdjoint`, a
+    Python number of the right sign), and the controller starts from the magnitude
+    of the step (diffrax solves in the direction of time)."""
 
     controller: diffrax.PIDController
     first_step: Float[Array, ""]
@@ -1013,12 +1014,6 @@ class CNF(AbstractFlow):
         if self.dt0 is None:
             dz0 = None if f0 is None else (f0[0] if log_det else f0)
             dt0 = self._initial_step(t_start, t_end, x, dz0, context)
-            if dt0.dtype == jnp.result_type(float):
-                # The controller starts from this step; diffeqsolve gets a Python
-                # number of its sign, like the span, so it checks the sign while
-                # tracing and not with a callback at run time.
-                controller = _FromFirstStep(controller, dt0)
-                dt0 = -1.0 if inverse else 1.0
         else:
             dt0 = -self.dt0 if inverse else self.dt0
         if (
@@ -1030,14 +1025,20 @@ class CNF(AbstractFlow):
             # numbers would make the solve's time, and so its state, float64. The
             # span goes in the state's dtype instead.
             t_start, t_end = (np.asarray(t, x.dtype) for t in (t_start, t_end))
-            if not isinstance(adjoint, diffrax.BacksolveAdjoint):
-                # diffeqsolve gets no `dt0`, whose sign it would check against that
-                # span with a callback at run time (which keeps the program out of
-                # JAX's persistent cache): the controller starts from it.
-                # (BacksolveAdjoint starts its backward solve from `-dt0`, so it
-                # keeps the step as `dt0`.)
-                controller = _FromFirstStep(controller, jnp.asarray(dt0, x.dtype))
-                dt0 = None
+        if not isinstance(adjoint, diffrax.BacksolveAdjoint):
+            # The controller starts from the first step, and diffeqsolve gets no
+            # `dt0`: it would check its sign against the span, at run time (a host
+            # callback, which keeps the program out of JAX's persistent cache)
+            # wherever the span is not a Python number.
+            controller = _FromFirstStep(controller, jnp.asarray(dt0, x.dtype))
+            dt0 = None
+        elif self.dt0 is None and dt0.dtype == jnp.result_type(float):
+            # BacksolveAdjoint starts its backward solve from `-dt0`, so it gets a
+            # `dt0`: a Python number of the step's sign, which diffeqsolve checks
+            # while tracing where the span is a Python number too; the controller
+            # starts from the step itself.
+            controller = _FromFirstStep(controller, dt0)
+            dt0 = -1.0 if inverse else 1.0
         sol = diffrax.diffeqsolve(
             term,
             self.solver,
