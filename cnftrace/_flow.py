@@ -783,7 +783,8 @@ class CNF(AbstractFlow):
         [`Hutchinson`][cnftrace.Hutchinson], [`HutchPlusPlus`][cnftrace.HutchPlusPlus]
         or [`XTrace`][cnftrace.XTrace].
     - `max_steps`: the solver's step limit.
-    - `dt0`: the initial step; `None` (default) chooses it per solve with Hairer's
+    - `dt0`: the initial step, a positive number (the inverse solve takes it
+        backwards in time); `None` (default) chooses it per solve with Hairer's
         heuristic from two plain evaluations of the field (counted in the NFE).
     - `pcoeff`, `icoeff`: the PID controller's coefficients. The default `(0.4, 0.3)`
         is a PI controller: on FFJORD's toy model it rejected fewer steps and needed
@@ -863,6 +864,8 @@ class CNF(AbstractFlow):
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
         check_int("max_steps", max_steps)
+        if dt0 is not None:
+            check_positive("dt0", dt0)  # a magnitude: solves go either way in time
         if context_dim is not None:
             check_int("context_dim", context_dim)
         if context_dim is not None and args is not None:

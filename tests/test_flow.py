@@ -394,6 +394,8 @@ def test_constructor_validation():
         cnftrace.CNF(field, 2, t0=1.0, t1=0.5)
     with pytest.raises(ValueError, match="dim"):
         cnftrace.CNF(field, 0)
+    with pytest.raises(ValueError, match="`dt0` must be finite and > 0"):
+        cnftrace.CNF(field, 2, dt0=-0.1)
     with pytest.raises(TypeError, match="callable"):
         cnftrace.CNF(3, 2)
     with pytest.raises(TypeError, match="estimator"):
