@@ -35,6 +35,7 @@ from ._custom_types import Key, VectorField
 from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._norm import max_rms_norm, max_rms_seminorm
 from ._term import CNFTerm, StateTerm
+from ._tracing import without_collector
 
 
 class SolveStats(eqx.Module):
@@ -315,7 +316,7 @@ def _compiled(fn: Callable) -> Callable:
     Inside a caller's transformation (any argument traced) it is inlined as it is,
     and where equinox cannot jit it (a static part that cannot be hashed) it runs op
     by op."""
-    jitted = eqx.filter_jit(fn)
+    jitted = without_collector(eqx.filter_jit(fn))
 
     def call(flow, *args):
         if not _tracing((flow, args)):

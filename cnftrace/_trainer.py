@@ -28,6 +28,7 @@ from ._matching import SHORTHANDS
 from ._objectives import AbstractObjective, MaximumLikelihood
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
 from ._stepcache import enabled as stepcache_enabled, exported_grads
+from ._tracing import without_collector
 
 DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
 OBJECTIVES = ("mle", "fm", "ot-fm")
@@ -600,9 +601,11 @@ def _train_step(trainer: Trainer, state: TrainState):
     return state, _step_info(info, skipped)
 
 
-_step = eqx.filter_jit(_train_step)
+_step = without_collector(eqx.filter_jit(_train_step))
 # `fit` gives the state's buffers to the step: it never reuses a state.
-_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
+_step_donating = without_collector(
+    eqx.filter_jit(_train_step, donate="all-except-first")
+)
 
 
 class _SplitPrograms:
@@ -749,6 +752,7 @@ class SplitStep:
     are given to the update. Built once per run; a `TypeError` where the trainer or
     the flow holds a static part that cannot be hashed."""
 
+    @without_collector  # it traces the stored programs
     def __init__(self, trainer: Trainer, state: TrainState, donate=False, stored=False):
         self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
         p = self.programs
@@ -770,6 +774,7 @@ class SplitStep:
         else:
             self._update = p.update_ahead(self.trainer_arrays, arrays)
 
+    @without_collector  # the jitted programs trace at their first call
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         p = self.programs
         arrays = eqx.filter(state, eqx.is_array)
