@@ -102,7 +102,7 @@ def log_prob_batched(
         ```
     """
     check_int("batch_size", batch_size)
-    x, unbatched = _validate_input(x, flow.event_shape, "x", on_host=True)
+    x, unbatched = _validate_input(x, flow.event_shape, "x")
     if unbatched:
         raise ValueError(
             f"`x` must be a batch of samples, shape (n, *{flow.event_shape}); got "

@@ -174,15 +174,14 @@ class _FromFirstStep(diffrax.AbstractAdaptiveStepSizeController):
         return self.controller.adapt_step_size(*args, **kwargs)
 
 
-def _validate_input(
-    x, event_shape: tuple[int, ...], name: str, *, on_host: bool = False
-) -> tuple[Array, bool]:
+def _validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, bool]:
     """Checks `x` and returns it with a batch axis, and whether one was added.
 
-    NaN and inf are refused by an `eqx.error_if`, which works under the caller's
-    `jit` too but puts a host callback in the program (and JAX's persistent cache
-    stores no program with one); `on_host=True` checks concrete data on the host
-    instead, before any program runs."""
+    NaN and inf in data are refused on the host, before any program runs. A value
+    being traced (under the caller's `jit`, `grad`, ...) is checked by an
+    `eqx.error_if` instead, which puts a host callback in the caller's program (and
+    JAX's persistent cache stores no program with one)."""
+    on_host = not _tracing(x)
     if isinstance(x, (list, tuple)):
         x = jnp.asarray(x)
     if not isinstance(x, (jax.Array, np.ndarray)):
@@ -300,13 +299,9 @@ class Regularization(eqx.Module):
 
 
 def _tracing(tree) -> bool:
+    """Whether any leaf of `tree` is being traced (by a caller's `jit`, `grad`, ...);
+    data that is not is checked on the host, before any program."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
-
-
-def _concrete(x) -> bool:
-    """Whether `x` is data rather than a value being traced (by a caller's `jit`,
-    `grad`, ...): its checks then run on the host, before any program."""
-    return not isinstance(x, jax.core.Tracer)
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -528,7 +523,7 @@ class AbstractFlow(eqx.Module):
         The log-density, a scalar or shape `(n,)`; with `return_stats`, a pair
         `(log_prob, stats)`.
         """
-        x, unbatched = _validate_input(x, self.event_shape, "x", on_host=_concrete(x))
+        x, unbatched = _validate_input(x, self.event_shape, "x")
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -558,7 +553,7 @@ class AbstractFlow(eqx.Module):
         `(log_prob, regularization, stats)` with a
         [`Regularization`][cnftrace.Regularization] of per-sample integrals.
         """
-        x, unbatched = _validate_input(x, self.event_shape, "x", on_host=_concrete(x))
+        x, unbatched = _validate_input(x, self.event_shape, "x")
         if unbatched:
             raise ValueError(f"`x` must be a batch of shape (n, *{self.event_shape}).")
         context = check_context(context, self.context_dim, x.shape[0])
@@ -738,7 +733,7 @@ class AbstractFlow(eqx.Module):
         return dtype
 
     def _map(self, x, inverse, context, return_stats, name):
-        x, unbatched = _validate_input(x, self.event_shape, name, on_host=_concrete(x))
+        x, unbatched = _validate_input(x, self.event_shape, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -747,7 +742,7 @@ class AbstractFlow(eqx.Module):
         return (y, stats) if return_stats else y
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
-        x, unbatched = _validate_input(x, self.event_shape, name, on_host=_concrete(x))
+        x, unbatched = _validate_input(x, self.event_shape, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )

@@ -746,9 +746,10 @@ class SplitStep:
     and the update. With `stored` (what `fit` runs), the gradient and the update
     are taken compiled from the store beside the compilation cache (`_stepcache`:
     no tracing or lowering), or put there, and compute bit for bit what
-    `Trainer.step` computes; the draw and the update (whose inputs do not depend on
-    the objective) compile in the background while the gradient is traced, and the
-    gradient while the rest of the first step runs. `donate`: the state's buffers
+    `Trainer.step` computes; the draw compiles in the background while the gradient
+    is traced, and the update (whose inputs do not depend on the objective) is
+    traced while the gradient compiles, and compiles beside it. `donate`: the
+    state's buffers
     are given to the update. Built once per run; a `TypeError` where the trainer or
     the flow holds a static part that cannot be hashed."""
 

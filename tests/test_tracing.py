@@ -46,6 +46,7 @@ class _Recording(eqx.Module):
 
 def test_flow_methods_and_the_training_step_trace_with_the_collector_off():
     seen = _SEEN
+    seen.clear()
     field = _Recording(-0.5 * jnp.eye(2))
     flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
     flow.log_prob(jnp.ones((3, 2)))
