@@ -23,6 +23,7 @@ traced as usual.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -278,6 +279,8 @@ class ExportedGrads:
         self.executable_loaded = False  # its executable read from disk
         self._executable: jax.stages.Compiled | None = None
         self._future: concurrent.futures.Future | None = None
+        self._unsaved: Callable[[], None] | None = None
+        self._saving: concurrent.futures.Future | None = None
 
     def __call__(self, *args):
         return self.exported.call(*args)
@@ -291,11 +294,25 @@ class ExportedGrads:
         the program jitted the usual way (compiled at its first call)."""
         if self._future is not None:
             try:
-                self._executable = self._future.result()
+                self._executable, self._unsaved = self._future.result()
             except Exception:
                 self._executable = jax.jit(self.exported.call)
             self._future = None
         return self._executable
+
+    def save_executable(self) -> concurrent.futures.Future | None:
+        """Writes a freshly compiled executable (serialized when it was compiled) to
+        disk, in a background thread, once: called after the first step that needs
+        it, so that the step does not wait for the write and its `fsync`. The
+        future of that write; `None` where there is nothing to write, or where the
+        program is still compiling (it is saved at a later call)."""
+        if self._future is not None and not self._future.done():
+            return None  # not compiled yet: saved at a later call
+        self.executable()
+        unsaved, self._unsaved = self._unsaved, None
+        if unsaved is not None:
+            self._saving = _COMPILER.submit(unsaved)
+        return self._saving
 
 
 def _directory() -> str:
@@ -361,7 +378,12 @@ def exported_grads(fn: Callable, static: Any, args: tuple) -> ExportedGrads | No
                 # it happen meanwhile.
                 lowered = jitted.trace(*_specs(args)).lower()
                 compiling = _compile_in_background(
-                    lowered, directory, key, _in_tree(args), lowered.out_tree
+                    lowered,
+                    directory,
+                    key,
+                    _in_tree(args),
+                    lowered.out_tree,
+                    jax_cache=False,
                 )
             exported = jax.export.export(jitted, platforms=[jax.default_backend()])(
                 *_specs(args)
@@ -446,34 +468,59 @@ def _executable_path(directory: str, key: str) -> str:
 
 
 def _compile_in_background(
-    lowered, directory: str, key: str, in_tree, out_tree
+    lowered, directory: str, key: str, in_tree, out_tree, jax_cache: bool = True
 ) -> concurrent.futures.Future:
     """`lowered`, compiled in a background thread (XLA compiles without holding
-    Python's lock, so the step's other programs are traced and compiled meanwhile)
-    and written beside the stored program where it was freshly compiled."""
+    Python's lock, so the step's other programs are traced and compiled meanwhile):
+    the future of `(executable, save)`, where `save` writes a freshly compiled
+    executable beside the stored program (`ExportedGrads.save_executable`), or is
+    `None` (read from JAX's cache, or not serializable). `jax_cache=False`: the
+    compile is not written to JAX's compilation cache either (for a program this
+    process traced itself: a later process reads the stored program and its
+    executable, never that entry)."""
     path = _executable_path(directory, key)
 
-    def compile_and_write():
+    def compile_():
         # XLA compiles without holding Python's lock.
         thread = threading.get_ident()
         _CACHE_HITS.discard(thread)
-        compiled = lowered.compile()
+        with contextlib.nullcontext() if jax_cache else _no_cache_write():
+            compiled = lowered.compile()
         if thread in _CACHE_HITS:
             # Read from JAX's compilation cache, not compiled: XLA:CPU serializes
             # such an executable without its kernels (it fails when run), so only
             # a freshly compiled one is written.
-            return compiled
+            return compiled, None
+
+        # Serialized now: XLA:CPU cannot serialize some executables (a sort's)
+        # once they have run. Only the write waits for `save_executable`.
         try:
             payload, saved_in, saved_out = serialize_executable.serialize(compiled)
-            # Written only where it can be read back as it is read above.
-            if saved_in == in_tree and saved_out == out_tree:
+        except Exception:  # nothing but the next process's speed is lost
+            return compiled, None
+        if saved_in != in_tree or saved_out != out_tree:
+            return compiled, None  # written only where it can be read back as above
+
+        def save():
+            try:
                 _atomic_write(path, payload)
                 _prune(directory, path)
-        except Exception:  # nothing but the next process's speed is lost
-            pass
-        return compiled
+            except (OSError, CheckpointError):  # nothing but speed is lost
+                pass
 
-    return _COMPILER.submit(compile_and_write)
+        return compiled, save
+
+    return _COMPILER.submit(compile_)
+
+
+try:  # JAX's setting as a context manager, for this thread only
+    from jax._src.config import persistent_cache_min_compile_time_secs as _MIN_TIME
+except ImportError:  # another JAX: the entry is written, nothing else changes
+    _MIN_TIME = None
+
+
+def _no_cache_write():
+    return contextlib.nullcontext() if _MIN_TIME is None else _MIN_TIME(float("inf"))
 
 
 # Two threads: the gradient and the update compile side by side.

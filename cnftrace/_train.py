@@ -1,6 +1,7 @@
 """`fit`: a short loop over `Trainer`'s step, with validation, checkpoints and
 progress around it."""
 
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -35,10 +36,12 @@ from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._trainer import (
     DEFAULT_BATCH_SIZE,
     DataSource,
+    StepCounters,
     Trainer,
     TrainState,
     copy_arrays,
     default_optimizer,
+    raise_for_failures,
     training_step,
 )
 
@@ -392,56 +395,106 @@ class _Loop:
         # The step's gradient as stored by an earlier process, if there is one
         # (with the compilation cache on): no tracing it again.
         step = training_step(self.trainer, self.state, donate=True, stored=True)
-        for i in bar:
-            done = i + 1
-            self.state, info = step(self.state)
-            log_now = done % log_every == 0 or done == steps
-            checkpoint_now = every is not None and (done % every == 0 or done == steps)
-            validate_now = self.validation is not None and (
-                done % self.validation.every == 0 or done == steps
-            )
-            if not (log_now or checkpoint_now or validate_now):
-                continue
-            # Host syncs only where something is logged, saved or validated.
-            self.trainer.check(self.state, max_failures)
-            record = self._record(done, info, start)
-            if log_now:
-                self._append(record)
-            if validate_now:
-                record = self._validate(done, record)
-            if (log_now or validate_now) and self.main_process:
-                if on_log is not None:
-                    on_log(record)
-                if progress:
-                    bar.set_postfix(
-                        loss=f"{record['loss']:.4f}",
-                        nfe=f"{record['nfe']}/{record['nfe_backward']}",
-                    )
-            if checkpoint_now:
-                self._save(done, start)
-            patience = None if self.validation is None else self.validation.patience
-            if patience is not None and self._validations_since_best() >= patience:
-                if every is not None and not checkpoint_now:
+        # A step that is only logged is logged once the next one has been handed to
+        # the device (from its record and a copy of its counters: its state is given
+        # to the next step), so that the host's work (the next step's dispatch, this
+        # one's record) overlaps the device's. The first and the last step, and any
+        # step that is checkpointed or validated, are dealt with at once.
+        pending = None
+        try:
+            for i in bar:
+                done = i + 1
+                self.state, info = step(self.state)
+                if pending is not None:
+                    last, pending = pending, None
+                    self._log(*last, start, max_failures, progress, on_log, bar)
+                log_now = done % log_every == 0 or done == steps
+                checkpoint_now = every is not None and (
+                    done % every == 0 or done == steps
+                )
+                validate_now = self.validation is not None and (
+                    done % self.validation.every == 0 or done == steps
+                )
+                if not (log_now or checkpoint_now or validate_now):
+                    continue
+                if not (
+                    checkpoint_now or validate_now or i == first_step or done == steps
+                ):
+                    pending = (done, info, StepCounters.copied(self.state))
+                    continue
+                # Host syncs only where something is logged, saved or validated:
+                # the record and the counters in one transfer.
+                info, counters = jax.device_get((info, StepCounters.of(self.state)))
+                self._check(counters, max_failures)
+                if log_now or validate_now:
+                    record = self._record(done, info, counters, start)
+                    if log_now:
+                        self._append(record)
+                    if validate_now:
+                        record = self._validate(done, record)
+                    self._report(record, progress, on_log, bar)
+                if checkpoint_now:
                     self._save(done, start)
-                break
+                patience = None if self.validation is None else self.validation.patience
+                if patience is not None and self._validations_since_best() >= patience:
+                    if every is not None and not checkpoint_now:
+                        self._save(done, start)
+                    break
+        except BaseException:
+            # An interrupted run still records the step it had finished.
+            if pending is not None:
+                try:
+                    self._log(*pending, start, None, False, None, None)
+                except Exception:
+                    pass
+            raise
+        finally:
+            # The compiled step is written (from the second step on, in the
+            # background) by the time `fit` returns.
+            for saving in getattr(step, "save", list)():
+                concurrent.futures.wait([saving])
         bar.close()
         if self.validation is not None:
             _, static = eqx.partition(self.state.flow, eqx.is_inexact_array)
             return eqx.combine(self.best, static), self.history
         return self.state.flow, self.history
 
-    def _record(self, done: int, info: dict, start: float) -> dict[str, Any]:
+    def _check(self, counters, max_failures) -> None:
+        raise_for_failures(counters, self.state.flow, max_failures)
+
+    def _record(self, done: int, info: dict, counters, start: float) -> dict[str, Any]:
+        """Step `done`'s record from its `info` and `counters`, on the host."""
         record = {
             "step": done,
             "loss": float(info["loss"]),
             "nfe": int(info["nfe"]),
             "nfe_backward": int(info["nfe_backward"]),
             "seconds": time.perf_counter() - start,
-            "skipped": int(self.state.skipped),
+            "skipped": int(counters.skipped),
         }
         extra = {k: float(v) for k, v in info.items() if k not in record}
         extra.pop("skipped", None)
         return record | extra
+
+    def _log(self, done, info, counters, start, max_failures, progress, on_log, bar):
+        """Fetches step `done`'s record and counters (one transfer), checks the
+        counters for failures, then records and reports the step."""
+        info, counters = jax.device_get((info, counters))
+        self._check(counters, max_failures)
+        record = self._record(done, info, counters, start)
+        self._append(record)
+        self._report(record, progress, on_log, bar)
+
+    def _report(self, record, progress, on_log, bar) -> None:
+        if not self.main_process:
+            return
+        if on_log is not None:
+            on_log(record)
+        if progress and bar is not None:
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                nfe=f"{record['nfe']}/{record['nfe_backward']}",
+            )
 
     def _append(self, record: dict[str, Any]) -> None:
         self.history = _history.append_train(self.history, record)

@@ -367,37 +367,79 @@ class Trainer(eqx.Module):
         """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
         solve failed, or if the last `max_failures` steps were all skipped for a
         non-finite loss or gradient. A sync with the device."""
-        failed_step = int(state.failed_step)
-        if failed_step:
-            flow, result = state.flow, state.result
-            if bool(result == diffrax.RESULTS.max_steps_reached):
-                raise TrainingError(
-                    f"the ODE solver reached its step limit at training step "
-                    f"{failed_step} ({solver_settings(flow)}): the dynamics have "
-                    "become too stiff for the tolerance. Raise `max_steps`, loosen "
-                    "`rtol`/`atol`, lower the learning rate, or regularise the "
-                    "dynamics; the last checkpoint is intact."
-                )
+        raise_for_failures(
+            jax.device_get(StepCounters.of(state)), state.flow, max_failures
+        )
+
+
+class StepCounters(eqx.Module):
+    """A training state's counters (see [`TrainState`][cnftrace.TrainState]), and
+    all that [`Trainer.check`][cnftrace.Trainer.check] reads: `result` as the
+    result code's integer."""
+
+    step: Int[Array, ""]
+    failures: Int[Array, ""]
+    skipped: Int[Array, ""]
+    failed_step: Int[Array, ""]
+    result: Int[Array, ""]
+    bad_batch_step: Int[Array, ""]
+
+    @classmethod
+    def of(cls, state: TrainState) -> "StepCounters":
+        [result] = jax.tree_util.tree_leaves(state.result)
+        return cls(
+            state.step,
+            state.failures,
+            state.skipped,
+            state.failed_step,
+            result,
+            state.bad_batch_step,
+        )
+
+    @classmethod
+    def copied(cls, state: TrainState) -> "StepCounters":
+        """The counters in buffers of their own (one small program): still readable
+        once `state` has been given to the next step."""
+        return _copy_counters(cls.of(state))
+
+
+_copy_counters = jax.jit(lambda counters: jax.tree_util.tree_map(jnp.copy, counters))
+
+
+def raise_for_failures(counters: StepCounters, flow, max_failures: int | None) -> None:
+    """`Trainer.check` on counters already fetched to the host (or still on the
+    device: each is then fetched on its own)."""
+    failed_step = int(counters.failed_step)
+    if failed_step:
+        result = jax.tree_util.tree_unflatten(_RESULT_TREE, [counters.result])
+        if bool(result == diffrax.RESULTS.max_steps_reached):
             raise TrainingError(
-                f"the ODE solve failed at training step {failed_step}: "
-                f"{diffrax.RESULTS[result]} The last checkpoint is intact."
+                f"the ODE solver reached its step limit at training step "
+                f"{failed_step} ({solver_settings(flow)}): the dynamics have "
+                "become too stiff for the tolerance. Raise `max_steps`, loosen "
+                "`rtol`/`atol`, lower the learning rate, or regularise the "
+                "dynamics; the last checkpoint is intact."
             )
-        bad_batch_step = int(state.bad_batch_step)
-        if bad_batch_step:
-            raise TrainingError(
-                f"the training batch of step {bad_batch_step}, drawn from the data "
-                "function, contains NaN or inf; make the function return finite "
-                "samples. The model was not updated by that step and the last "
-                "checkpoint is intact."
-            )
-        failures = int(state.failures)
-        if max_failures is not None and failures >= max_failures:
-            raise TrainingError(
-                f"{failures} consecutive training steps gave a non-finite loss "
-                f"or gradient (up to step {int(state.step)}); stopping. The model was "
-                "not updated by those steps and the last checkpoint is intact. Lower "
-                "the learning rate, clip gradients, or tighten the solver tolerance."
-            )
+        raise TrainingError(
+            f"the ODE solve failed at training step {failed_step}: "
+            f"{diffrax.RESULTS[result]} The last checkpoint is intact."
+        )
+    bad_batch_step = int(counters.bad_batch_step)
+    if bad_batch_step:
+        raise TrainingError(
+            f"the training batch of step {bad_batch_step}, drawn from the data "
+            "function, contains NaN or inf; make the function return finite "
+            "samples. The model was not updated by that step and the last "
+            "checkpoint is intact."
+        )
+    failures = int(counters.failures)
+    if max_failures is not None and failures >= max_failures:
+        raise TrainingError(
+            f"{failures} consecutive training steps gave a non-finite loss "
+            f"or gradient (up to step {int(counters.step)}); stopping. The model was "
+            "not updated by those steps and the last checkpoint is intact. Lower "
+            "the learning rate, clip gradients, or tighten the solver tolerance."
+        )
 
 
 def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, key):
@@ -758,6 +800,7 @@ class SplitStep:
         self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
         p = self.programs
         self._draw, self._update, self.program = p.draw, p.update, None
+        self._calls = 0
         if not stored:
             return
         arrays = eqx.filter(state, eqx.is_array)
@@ -788,7 +831,19 @@ class SplitStep:
         new, skipped = self._update(
             self.trainer_arrays, arrays, bad_batch, grads, finite, info["result"]
         )
+        if self._calls == 1:
+            self.save()  # the first step has been waited for
+        self._calls += 1
         return eqx.combine(new, p.state_static), _step_info(info, skipped)
+
+    def save(self) -> list[concurrent.futures.Future]:
+        """Writes the executables this process compiled for the store, in the
+        background (`_stepcache.ExportedGrads.save_executable`; the futures of
+        those writes): done at the second step, so that the first does not wait
+        for it, and by `fit` at its end, which waits for them."""
+        programs = (self.program, getattr(self._update, "program", None))
+        saving = [p.save_executable() for p in programs if p is not None]
+        return [future for future in saving if future is not None]
 
 
 def training_step(trainer: Trainer, state: TrainState, donate=False, stored=False):

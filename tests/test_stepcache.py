@@ -121,6 +121,14 @@ def test_an_unreadable_entry_is_traced_again_and_replaced(cache_dir):
     np.testing.assert_array_equal(loaded(*args)[0], [0.0, 2.0, 4.0])
 
 
+def _saved(program):
+    """`program` once its executable has been written, if it is to be."""
+    saving = program.save_executable()
+    if saving is not None:
+        saving.result()
+    return program
+
+
 def _executables(cache_dir):
     found = os.listdir(os.path.join(cache_dir, _stepcache.SUBDIR))
     return [name for name in found if name.endswith(_stepcache.EXE_SUFFIX)]
@@ -135,7 +143,10 @@ def test_the_executable_is_stored_only_when_freshly_compiled(cache_dir):
     try:
         first = _stepcache.exported_grads(_double, static, args)
         np.testing.assert_array_equal(first.executable()(*args)[0], [0, 2, 4, 6])
-        assert not first.executable_loaded and len(_executables(cache_dir)) == 1
+        # Written once saved (after the first step, in `fit`), and only once.
+        assert _executables(cache_dir) == []
+        assert not _saved(first).executable_loaded and len(_executables(cache_dir)) == 1
+        assert first.save_executable().done() and len(_executables(cache_dir)) == 1
         # Read back by a later `fit`: the executable comes from the store.
         _stepcache._LOADED.clear()
         again = _stepcache.exported_grads(_double, static, args)
@@ -149,7 +160,9 @@ def test_the_executable_is_stored_only_when_freshly_compiled(cache_dir):
         jax.clear_caches()
         third = _stepcache.exported_grads(_double, static, args)
         np.testing.assert_array_equal(third.executable()(*args)[0], [0, 2, 4, 6])
-        assert not third.executable_loaded and _executables(cache_dir) == [executable]
+        assert not _saved(third).executable_loaded and _executables(cache_dir) == [
+            executable
+        ]
         # Without it once more, JAX's cache serves that compile: nothing is
         # written, and the program still computes the same.
         os.remove(os.path.join(cache_dir, _stepcache.SUBDIR, executable))
@@ -157,7 +170,7 @@ def test_the_executable_is_stored_only_when_freshly_compiled(cache_dir):
         jax.clear_caches()
         fourth = _stepcache.exported_grads(_double, static, args)
         np.testing.assert_array_equal(fourth.executable()(*args)[0], [0, 2, 4, 6])
-        assert not fourth.executable_loaded and _executables(cache_dir) == []
+        assert not _saved(fourth).executable_loaded and _executables(cache_dir) == []
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", saved)
 

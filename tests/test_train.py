@@ -201,6 +201,66 @@ def test_trainer_step_is_public_and_state_is_replaced():
     assert hist["loss"] == losses
 
 
+def _scripted_step(skipped_steps, calls):
+    """A stand-in for `fit`'s training step: step n's loss is n, the steps in
+    `skipped_steps` are skipped, and each call deletes the counters of the state it
+    was given, as donating them to the device would."""
+
+    def make(trainer, state, donate, stored):
+        def step(state):
+            n, failures, total = (
+                int(x) for x in (state.step, state.failures, state.skipped)
+            )
+            calls.append(n + 1)
+            skip = n + 1 in skipped_steps
+            counters = dict(
+                step=n + 1,
+                failures=failures + 1 if skip else 0,
+                skipped=total + skip,
+                failed_step=0,
+                bad_batch_step=0,
+            )
+            for name in counters:
+                getattr(state, name).delete()
+            new = eqx.tree_at(
+                lambda s: [getattr(s, name) for name in counters],
+                state,
+                [jnp.asarray(v, jnp.int32) for v in counters.values()],
+            )
+            info = dict(loss=jnp.asarray(n + 1.0), nfe=jnp.asarray(7))
+            info.update(nfe_backward=jnp.asarray(6), skipped=jnp.asarray(skip))
+            return new, info
+
+        return step
+
+    return make
+
+
+def test_fit_logs_each_step_from_its_own_counters(monkeypatch):
+    """`fit` logs a step once the next one is dispatched (its state is then donated):
+    every record and failure check must come from that step's own counters."""
+    calls, records = [], []
+    monkeypatch.setattr(cnftrace._train, "training_step", _scripted_step({3, 4}, calls))
+    run = lambda **kw: cnftrace.fit(  # noqa: E731
+        _flow(jr.key(8)), _gaussian, key=jr.key(1), batch_size=BATCH,
+        optimizer=_ADAM, progress=False, on_log=records.append, **kw,
+    )  # fmt: skip
+    _, hist = run(steps=7, max_failures=3)
+    assert calls == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["step"] for r in records] == hist["step"] == [1, 2, 3, 4, 5, 6, 7]
+    assert hist["loss"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert hist["skipped"] == [0, 0, 1, 2, 2, 2, 2]
+    # Two skipped steps in a row stop the run at the second; step 5 had already
+    # been dispatched when step 4 was checked.
+    calls.clear(), records.clear()
+    with pytest.raises(
+        cnftrace.TrainingError, match=r"2 consecutive .*\(up to step 4\)"
+    ):
+        run(steps=7, max_failures=2)
+    assert calls == [1, 2, 3, 4, 5]
+    assert [(r["step"], r["skipped"]) for r in records] == [(1, 0), (2, 0), (3, 1)]
+
+
 def test_solver_failure_freezes_the_state_and_names_the_step():
     field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
     # Loose enough for the first steps; a large learning rate then stiffens it.
