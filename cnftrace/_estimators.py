@@ -150,8 +150,10 @@ def _jvps(fn, y, tangents):
 
 
 class Exact(AbstractEstimator):
-    """The exact trace: one Jacobian-vector product per basis vector, batched with
-    `vmap`, so the cost is that of `d` forward-mode passes for a state of size `d`.
+    """The exact trace: one Jacobian-vector product per basis vector (the function
+    linearised once and applied to each basis vector for a state of up to 4 entries,
+    batched with `vmap` beyond), so the cost is that of `d` forward-mode passes for a
+    state of size `d`.
 
     Use it for evaluation (test NLL), and for training when `d` is small. It takes no
     arguments and needs no key; [`trace`][cnftrace.trace] uses `lineax.diagonal`
