@@ -401,13 +401,44 @@ class _Loop:
         # one's record) overlaps the device's. The first and the last step, and any
         # step that is checkpointed or validated, are dealt with at once.
         pending = None
+
+        def finish(
+            done,
+            info,
+            counters,
+            log=True,
+            validate=False,
+            failures=max_failures,
+            report=True,
+        ):
+            """Step `done`: its record and counters fetched in one transfer, the
+            counters checked for failures, then the step logged, validated and
+            reported."""
+            info, counters = jax.device_get((info, counters))
+            raise_for_failures(counters, self.state.flow, failures)
+            if not (log or validate):
+                return
+            record = self._record(done, info, counters, start)
+            if log:
+                self._append(record)
+            if validate:
+                record = self._validate(done, record)
+            if report and self.main_process:
+                if on_log is not None:
+                    on_log(record)
+                if progress:
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.4f}",
+                        nfe=f"{record['nfe']}/{record['nfe_backward']}",
+                    )
+
         try:
             for i in bar:
                 done = i + 1
                 self.state, info = step(self.state)
                 if pending is not None:
                     last, pending = pending, None
-                    self._log(*last, start, max_failures, progress, on_log, bar)
+                    finish(*last)
                 log_now = done % log_every == 0 or done == steps
                 checkpoint_now = every is not None and (
                     done % every == 0 or done == steps
@@ -422,17 +453,9 @@ class _Loop:
                 ):
                     pending = (done, info, StepCounters.copied(self.state))
                     continue
-                # Host syncs only where something is logged, saved or validated:
-                # the record and the counters in one transfer.
-                info, counters = jax.device_get((info, StepCounters.of(self.state)))
-                self._check(counters, max_failures)
-                if log_now or validate_now:
-                    record = self._record(done, info, counters, start)
-                    if log_now:
-                        self._append(record)
-                    if validate_now:
-                        record = self._validate(done, record)
-                    self._report(record, progress, on_log, bar)
+                # Host syncs only where something is logged, saved or validated.
+                counters = StepCounters.of(self.state)
+                finish(done, info, counters, log=log_now, validate=validate_now)
                 if checkpoint_now:
                     self._save(done, start)
                 patience = None if self.validation is None else self.validation.patience
@@ -444,23 +467,19 @@ class _Loop:
             # An interrupted run still records the step it had finished.
             if pending is not None:
                 try:
-                    self._log(*pending, start, None, False, None, None)
+                    finish(*pending, failures=None, report=False)
                 except Exception:
                     pass
             raise
         finally:
             # The compiled step is written (from the second step on, in the
             # background) by the time `fit` returns.
-            for saving in getattr(step, "save", list)():
-                concurrent.futures.wait([saving])
+            concurrent.futures.wait(getattr(step, "save", list)())
         bar.close()
         if self.validation is not None:
             _, static = eqx.partition(self.state.flow, eqx.is_inexact_array)
             return eqx.combine(self.best, static), self.history
         return self.state.flow, self.history
-
-    def _check(self, counters, max_failures) -> None:
-        raise_for_failures(counters, self.state.flow, max_failures)
 
     def _record(self, done: int, info: dict, counters, start: float) -> dict[str, Any]:
         """Step `done`'s record from its `info` and `counters`, on the host."""
@@ -475,26 +494,6 @@ class _Loop:
         extra = {k: float(v) for k, v in info.items() if k not in record}
         extra.pop("skipped", None)
         return record | extra
-
-    def _log(self, done, info, counters, start, max_failures, progress, on_log, bar):
-        """Fetches step `done`'s record and counters (one transfer), checks the
-        counters for failures, then records and reports the step."""
-        info, counters = jax.device_get((info, counters))
-        self._check(counters, max_failures)
-        record = self._record(done, info, counters, start)
-        self._append(record)
-        self._report(record, progress, on_log, bar)
-
-    def _report(self, record, progress, on_log, bar) -> None:
-        if not self.main_process:
-            return
-        if on_log is not None:
-            on_log(record)
-        if progress and bar is not None:
-            bar.set_postfix(
-                loss=f"{record['loss']:.4f}",
-                nfe=f"{record['nfe']}/{record['nfe_backward']}",
-            )
 
     def _append(self, record: dict[str, Any]) -> None:
         self.history = _history.append_train(self.history, record)

@@ -403,12 +403,11 @@ class StepCounters(eqx.Module):
         return _copy_counters(cls.of(state))
 
 
-_copy_counters = jax.jit(lambda counters: jax.tree_util.tree_map(jnp.copy, counters))
+_copy_counters = jax.jit(copy_arrays)
 
 
 def raise_for_failures(counters: StepCounters, flow, max_failures: int | None) -> None:
-    """`Trainer.check` on counters already fetched to the host (or still on the
-    device: each is then fetched on its own)."""
+    """`Trainer.check` on counters fetched to the host."""
     failed_step = int(counters.failed_step)
     if failed_step:
         result = jax.tree_util.tree_unflatten(_RESULT_TREE, [counters.result])
@@ -791,9 +790,8 @@ class SplitStep:
     `Trainer.step` computes; the draw compiles in the background while the gradient
     is traced, and the update (whose inputs do not depend on the objective) is
     traced while the gradient compiles, and compiles beside it. `donate`: the
-    state's buffers
-    are given to the update. Built once per run; a `TypeError` where the trainer or
-    the flow holds a static part that cannot be hashed."""
+    state's buffers are given to the update. Built once per run; a `TypeError` where
+    the trainer or the flow holds a static part that cannot be hashed."""
 
     @without_collector  # it traces the stored programs
     def __init__(self, trainer: Trainer, state: TrainState, donate=False, stored=False):
