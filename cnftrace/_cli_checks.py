@@ -112,12 +112,18 @@ def _check_data_options(args) -> None:
 
 
 def check_run_dir(path: str) -> None:
-    """`--run-dir` is a directory, or can become one."""
+    """`--run-dir` is a directory, or can become one: missing parents are made with
+    it (`--run-dir runs/8g` in a fresh clone), but no part of it may be a file."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--run-dir {path} is a file, not a directory.")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(path) and not os.path.isdir(parent):
-        raise UsageError(f"--run-dir {path}: the directory {parent} does not exist.")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UsageError(
+            f"--run-dir {path}: {ancestor} is a file, so the directory cannot be made "
+            "there."
+        )
 
 
 def memory_limit() -> tuple[int, str]:

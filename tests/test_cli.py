@@ -16,7 +16,9 @@ TINY = ["--steps", "12", "--width", "8", "--depth", "1", "--batch-size", "64"]
 
 
 def test_train_eval_sample_plot(tmp_path, capsys):
-    run = str(tmp_path / "run")
+    # As in the README (`--run-dir runs/8g`): a run directory's missing parents are
+    # made with it.
+    run = str(tmp_path / "runs" / "run")
     assert main(["train", "--run-dir", run, "--checkpoint-every", "5", *TINY]) == 0
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
         "history.jsonl",  # fit's history, beside its checkpoints

@@ -275,6 +275,8 @@ def test_6_user_errors_are_one_line_with_an_exit_status(tmp_path, capsys, monkey
     _fails([*train, "--width", "10000000"], 2, "--width 10000000 cannot fit", capsys)
     (tmp_path / "file").write_text("")
     _fails(["train", "--run-dir", str(tmp_path / "file"), *TINY], 2, "a file", capsys)
+    inside_a_file = str(tmp_path / "file" / "run")
+    _fails(["train", "--run-dir", inside_a_file, *TINY], 2, "is a file, so", capsys)
     _fails(["eval", run, "--n", "1"], 2, "--n must be at least 2", capsys)
     out = str(tmp_path / "missing" / "x.npy")
     _fails(["sample", run, "--out", out], 2, "does not exist", capsys)
