@@ -85,9 +85,10 @@ class Standardization(eqx.Module):
         if bad.any():
             where = np.unravel_index(int(np.flatnonzero(bad)[0]), bad.shape)
             index = where[0] if len(where) == 1 else where
+            value = data[(0, *where)].item()  # a Python number, printed as one
             raise ValueError(
                 f"column {index} of `{name}` is constant (it takes the value "
-                f"{data[(0, *where)]!r} in all {data.shape[0]} rows), so it cannot be "
+                f"{value!r} in all {data.shape[0]} rows), so it cannot be "
                 "standardised: a zero standard deviation. Drop that column."
             )
         return Standardization(mean, scale)  # float64 NumPy: no precision lost

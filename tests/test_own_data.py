@@ -187,7 +187,7 @@ def test_standardisation_is_undone_exactly_on_a_linear_flow():
 
 BAD_FILES = {
     "nan": ("a,b\n1,2\n3,nan\n5,6\n", r"NaN or inf; the first is row 1 \(line 3\)"),
-    "inf": ("a,b\n1,2\n3,4\n5,inf\n", r"row 2 \(line 4\), column 1 \('b'\)"),
+    "inf": ("a,b\n1,2\n3,4\n5,inf\n", r"row 2 \(line 4\), column 1 \('b'\) = inf\."),
     "text": ("a,b\n1,2\n3,oops\n", r"line 3 \(row 1\), column 1 \('b'\) holds 'oops'"),
     "empty": ("", r"is empty"),
     "header only": ("a,b\n", r"a header line but no rows"),
@@ -196,9 +196,19 @@ BAD_FILES = {
     "one row": ("a,b\n1,2\n", r"has 1 row\(s\).*needs at least"),
     "constant": (
         "a,b\n" + "".join(f"{i},7\n" for i in range(20)),
-        r"column 1 \('b'\) is constant .*Leave it out with `--columns`",
+        r"column 1 \('b'\) is constant over the \d+ training rows \(always 7\.0\)"
+        r".*Leave it out with `--columns`",
     ),
 }
+
+
+def test_a_constant_coordinate_is_named_with_its_value():
+    data = np.stack([np.arange(5.0), np.full(5, 2.5)], axis=1)
+    with pytest.raises(
+        ValueError,
+        match=r"column 1 of `x` is constant \(it takes the value 2\.5 in all 5 rows\)",
+    ):
+        cnftrace.Standardization.from_data(data, name="x")
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))

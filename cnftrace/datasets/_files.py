@@ -246,7 +246,7 @@ def _check_finite(path, data, names, lines):
         where = f"row {r}" + (f" (line {lines[r]})" if lines else "")
         raise ValueError(
             f"{path} has {rows.size} row(s) with NaN or inf; the first is {where}, "
-            f"{_column(j, names)} = {data[r, j]!r}. Remove or impute those rows."
+            f"{_column(j, names)} = {data[r, j].item()!r}. Remove or impute those rows."
         )
 
 

@@ -307,9 +307,10 @@ def file_source(
     if np.any(spread == 0):
         j = int(np.flatnonzero(spread == 0)[0])
         column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
+        value = splits.train[0, j].item()  # a Python number, printed as one
         raise ValueError(
             f"{name}: {column} is constant over the {splits.train.shape[0]} training "
-            f"rows (always {splits.train[0, j]!r}): a zero variance, which cannot be "
+            f"rows (always {value!r}): a zero variance, which cannot be "
             "standardised and has no density to learn. Leave it out with `--columns`."
         )
     std = Standardization.from_data(splits.train, name=name) if standardize else None
