@@ -161,7 +161,8 @@ def plot_samples(
     """Saves a grid that compares samples of a flow with the data, column by column,
     in the data's units: a histogram of each column on the diagonal (data and
     samples overlaid), the data below the diagonal and the samples above it, for
-    each pair of the first `max_columns` columns.
+    each pair of the first `max_columns` columns (the title says so when there
+    are more).
 
     **Arguments:**
 
@@ -170,7 +171,8 @@ def plot_samples(
     - `path`: the PNG file to write.
     - `names`: the columns' names, for the axes.
     - `max_columns`: how many of the first columns to show.
-    - `title`: an optional title above the grid.
+    - `title`: an optional first line of the title; the title always says where the
+        data and the samples are, and which columns are shown if not all.
 
     **Returns:**
 
@@ -194,9 +196,12 @@ def plot_samples(
             f"shapes {data.shape} and {samples.shape}."
         )
     plt = _pyplot()
-    k = min(data.shape[1], max_columns)
+    dim = data.shape[1]
+    k = min(dim, max_columns)
     names = list(names) if names is not None else [f"column {j}" for j in range(k)]
-    fig, axes = plt.subplots(k, k, figsize=(2.6 * k, 2.6 * k), squeeze=False)
+    fig, axes = plt.subplots(
+        k, k, figsize=(2.6 * k, 2.6 * k), squeeze=False, layout="constrained"
+    )
     for i in range(k):
         for j in range(k):
             ax = axes[i, j]
@@ -215,7 +220,10 @@ def plot_samples(
             if j == 0:
                 ax.set_ylabel(names[i])
     axes[0, 0].legend(fontsize="small")
-    fig.suptitle(title or "data (below the diagonal) and samples (above)")
+    layout = "data (below the diagonal) and samples (above)"
+    if dim > k:
+        layout += f", the first {k} of {dim} columns"
+    fig.suptitle(f"{title}\n{layout}" if title else layout)
     _atomic_savefig(fig, path)
     plt.close(fig)
     return path
@@ -293,7 +301,8 @@ def plot_image_grid(
     - `images`: shape `(n, h, w)`, values in `[0, 1]` (dark is 1).
     - `path`: the PNG file to write.
     - `ncols`: images per row.
-    - `title`: an optional title above the grid.
+    - `title`: an optional first line of the title; the title always says where the
+        data and the samples are, and which columns are shown if not all.
 
     **Returns:**
 

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import cnftrace
+from cnftrace import plot as cnftrace_plot
 from cnftrace.plot import plot_flow_2d
 
 
@@ -356,3 +357,28 @@ def test_plot_writes_png(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert [p for p in os.listdir(os.path.dirname(path))] == ["flow.png"]
+
+
+def test_plot_samples_says_where_data_and_samples_are(tmp_path, monkeypatch):
+    """The grid's title says which triangle holds the data and, when the table has
+    more columns than the grid shows, which columns those are."""
+    titles = []
+    save = cnftrace_plot._atomic_savefig
+
+    def saving(fig, path):
+        titles.append(fig.get_suptitle())
+        save(fig, path)
+
+    monkeypatch.setattr(cnftrace_plot, "_atomic_savefig", saving)
+    rng = np.random.default_rng(0)
+    wide, narrow = rng.normal(size=(50, 5)), rng.normal(size=(50, 2))
+    path = str(tmp_path / "pairs.png")
+    cnftrace_plot.plot_samples(wide, wide, path, title="step 3")
+    cnftrace_plot.plot_samples(narrow, narrow, path)
+    assert titles == [
+        "step 3\ndata (below the diagonal) and samples (above), the first 4 of 5 "
+        "columns",
+        "data (below the diagonal) and samples (above)",
+    ]
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
