@@ -235,14 +235,18 @@ def plot_training_curves(
     *,
     entropy: float | None = None,
 ) -> str:
-    """Saves training curves, the training NLL and the NFE per solve against the step,
-    as a PNG.
+    """Saves training curves, the training NLL (each step's, and its running mean)
+    with the validation NLL where there is one, and the NFE per solve, against the
+    step, as a PNG.
 
     **Arguments:**
 
     - `records`: the `history` that [`fit`][cnftrace.fit] returns (a dict of lists
-        with `step`, `loss` and `nfe`), or a list of records, each a dict with those
-        keys (the lines of a command-line run's `metrics.jsonl`).
+        with `step`, `loss` and `nfe`, and `val_step`, `val_nll` and `val_stderr`
+        where it validated), or a list of records, each a dict with those keys (the
+        lines of a command-line run's `metrics.jsonl`, where a validation's
+        `val_nll` and `val_stderr` sit in the record of its step or in one of their
+        own).
     - `path`: the PNG file to write.
     - `entropy`: the data's true entropy, drawn as a horizontal line, if known.
 
@@ -272,12 +276,45 @@ def plot_training_curves(
                 f"`records` is a dict without {missing}; pass the history that "
                 "`cnftrace.fit` returns, or a list of records."
             )
+        validations = [
+            {"step": step, "val_nll": nll, "val_stderr": err}
+            for step, nll, err in zip(
+                records.get("val_step", ()),
+                records.get("val_nll", ()),
+                records.get("val_stderr", ()),
+            )
+        ]
         records = [dict(zip(keys, row)) for row in zip(*(records[k] for k in keys))]
+    else:
+        validations = [r for r in records if r.get("val_nll") is not None]
+        records = [r for r in records if "loss" in r]
     if not records:
         raise ValueError("`records` is empty: there is nothing to plot.")
-    steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_nfe) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax_loss.plot(steps, [r["loss"] for r in records], lw=0.8, label="training NLL")
+    steps = np.array([r["step"] for r in records])
+    loss = np.array([r["loss"] for r in records], dtype=float)
+    fig, (ax_loss, ax_nfe) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
+    ax_loss.plot(steps, loss, lw=0.6, alpha=0.35, color="C0", label="training NLL")
+    window = max(1, len(loss) // 50)
+    if window > 1:  # each step's loss is a noisy estimate: its running mean
+        mean = np.convolve(loss, np.ones(window) / window, mode="valid")
+        ax_loss.plot(
+            steps[window - 1 :],
+            mean,
+            lw=1.2,
+            color="C0",
+            label=f"training NLL, mean of {window} steps",
+        )
+    if validations:
+        ax_loss.errorbar(
+            [v["step"] for v in validations],
+            [v["val_nll"] for v in validations],
+            yerr=[v.get("val_stderr") or 0.0 for v in validations],
+            fmt="o",
+            ms=3,
+            lw=0.8,
+            color="C3",
+            label="validation NLL",
+        )
     if entropy is not None:
         ax_loss.axhline(entropy, color="k", ls="--", lw=0.8, label="true entropy")
     ax_loss.set_xlabel("step")

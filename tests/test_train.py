@@ -382,3 +382,46 @@ def test_plot_samples_says_where_data_and_samples_are(tmp_path, monkeypatch):
     ]
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_curves_show_the_validation_and_a_running_mean(tmp_path, monkeypatch):
+    """Both forms of a run's records (fit's history, and the command line's
+    metrics.jsonl lines with a validation in a step's record or on its own) give
+    the same curves: each step's loss, its running mean, and the validation NLL
+    with its standard error."""
+    figures = []
+    monkeypatch.setattr(
+        cnftrace_plot, "_atomic_savefig", lambda fig, path: figures.append(fig)
+    )
+    steps = list(range(1, 101))
+    loss = [3.0 + 0.01 * (s % 7) for s in steps]
+    history = {
+        "step": steps,
+        "loss": loss,
+        "nfe": [20] * 100,
+        "val_step": [50, 100],
+        "val_nll": [3.2, 3.1],
+        "val_stderr": [0.05, 0.04],
+    }
+    lines = [{"step": s, "loss": v, "nfe": 20} for s, v in zip(steps, loss)]
+    lines[49] = dict(lines[49], val_nll=3.2, val_stderr=0.05)
+    lines.append({"step": 100, "val_nll": 3.1, "val_stderr": 0.04})
+    for records in (history, lines):
+        cnftrace_plot.plot_training_curves(records, str(tmp_path / "t.png"))
+    for fig in figures:
+        ax = fig.axes[0]
+        labels = ax.get_legend_handles_labels()[1]
+        assert labels == [
+            "training NLL",
+            "training NLL, mean of 2 steps",
+            "validation NLL",
+        ]
+        raw, mean = ax.get_lines()[:2]
+        np.testing.assert_allclose(raw.get_ydata(), loss)
+        np.testing.assert_allclose(
+            mean.get_ydata(), (np.array(loss[:-1]) + np.array(loss[1:])) / 2
+        )
+        validation = ax.containers[0]  # the error bars
+        points = validation.lines[0]
+        np.testing.assert_allclose(np.asarray(points.get_xdata(), float), [50, 100])
+        np.testing.assert_allclose(np.asarray(points.get_ydata(), float), [3.2, 3.1])
