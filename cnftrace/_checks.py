@@ -32,6 +32,20 @@ def check_int(name: str, value, low: int = 1) -> None:
         raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
 
 
+def check_key(name: str, key) -> None:
+    """`key` is a JAX PRNG key: a typed key (`jax.random.key`) or the raw `uint32`
+    data of one (`jax.random.PRNGKey`; JAX checks its shape)."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and (
+        jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == np.uint32
+    ):
+        return
+    got = f"an array of dtype {dtype}" if dtype is not None else repr(key)
+    raise TypeError(
+        f"`{name}` must be a JAX PRNG key, e.g. `jax.random.key(0)`; got {got}."
+    )
+
+
 def check_weight(name: str, value) -> None:
     """A `TypeError` unless `value` is a number, a `ValueError` unless it is finite
     and `>= 0`."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
-from ._checks import is_int
+from ._checks import check_key, is_int
 from ._custom_types import Key
 
 _SAMPLERS = ("rademacher", "gaussian", "sphere")
@@ -246,6 +246,7 @@ class Hutchinson(AbstractEstimator):
                 "`key=jax.random.key(seed)`, or use `cnftrace.Exact()` for the exact "
                 "trace."
             )
+        check_key("key", key)
         shape = tuple(shape)
         batch, event = (
             shape[: len(shape) - event_ndim],

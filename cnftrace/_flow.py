@@ -26,6 +26,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._checks import (
     check_context,
     check_int,
+    check_key,
     check_positive,
     check_precision,
     is_int,
@@ -244,6 +245,8 @@ def _need_key(key, estimators: Sequence[AbstractEstimator]) -> None:
             "`key=jax.random.key(seed)`; or evaluate with the exact trace via "
             "`flow.with_estimator(cnftrace.Exact())`."
         )
+    if key is not None:
+        check_key("key", key)
 
 
 def _check_span(t0, t1) -> None:
@@ -605,6 +608,7 @@ class AbstractFlow(eqx.Module):
 
         An array of shape `(n, *event_shape)`; with `return_stats`, a pair.
         """
+        check_key("key", key)
         dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
         x, stats = _sample_program(self, key, n, dtype, context, False)
@@ -633,6 +637,7 @@ class AbstractFlow(eqx.Module):
 
         `(samples, log_prob)`; with `return_stats`, `(samples, log_prob, stats)`.
         """
+        check_key("key", key)
         dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
         x, logp, stats = _sample_program(self, key, n, dtype, context, True)

@@ -21,7 +21,13 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._builders import warmup_cosine_adam
-from ._checks import check_context, check_event_shape, check_int, check_samples
+from ._checks import (
+    check_context,
+    check_event_shape,
+    check_int,
+    check_key,
+    check_samples,
+)
 from ._custom_types import Key
 from ._flow import AbstractFlow
 from ._matching import SHORTHANDS
@@ -258,6 +264,7 @@ class Trainer(eqx.Module):
         mesh: MeshSpec = None,
     ):
         check_int("batch_size", batch_size)
+        check_key("key", key)
         self.objective = resolve_objective(objective)
         self.optimizer = default_optimizer(None) if optimizer is None else optimizer
         self.batch_size = batch_size

@@ -1,5 +1,7 @@
 """CNF blocks and chains: closed forms, round trips, adjoints, regressions, errors."""
 
+import re
+
 import diffrax
 import equinox as eqx
 import jax
@@ -343,6 +345,30 @@ def test_bad_input():
             eqx.filter_jit(lambda f, x: f.log_prob(x))(flow, x)
     with pytest.raises(ValueError, match="n"):
         flow.sample(jr.key(0), 0)
+
+
+def test_a_key_that_is_not_a_key_is_named():
+    """A number or a float array where a PRNG key goes (`flow.sample(3, n)`) is
+    refused by name before anything is traced; JAX's own message spoke of "invalid
+    PRNG key data". Old-style raw keys (`jax.random.PRNGKey`) stay welcome."""
+    flow = _mlp_flow(jr.key(14))
+    stochastic = flow.with_estimator(cnftrace.Hutchinson())
+    data = jnp.zeros((4, 2))
+    message = r"`key` must be a JAX PRNG key, e.g. `jax.random.key\(0\)`; got "
+    calls = {
+        "3.": lambda: flow.sample(3, 5),
+        "an array of dtype float32.": lambda: flow.sample(np.zeros(2, np.float32), 5),
+        "7.": lambda: flow.sample_and_log_prob(7, 5),
+        "1.5.": lambda: stochastic.log_prob(data, key=1.5),
+        "'seed'.": lambda: cnftrace.fit(flow, np.zeros((8, 2)), key="seed", steps=1),
+        "0.": lambda: cnftrace.divergence(
+            jnp.sin, jnp.zeros(2), estimator=cnftrace.Hutchinson(), key=0
+        ),
+    }
+    for got, call in calls.items():
+        with pytest.raises(TypeError, match=message + re.escape(got)):
+            call()
+    assert stochastic.log_prob(data, key=jax.random.PRNGKey(0)).shape == (4,)
 
 
 def _traces_of(call):
