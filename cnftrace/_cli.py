@@ -265,7 +265,13 @@ def cmd_train(args) -> int:
         history = _train(args, config, source, flow, settings)
     done = history["step"][-1] if history["step"] else args.steps
     stopped = "" if done >= args.steps else f" (stopped early, of {args.steps})"
-    print(f"trained {done} steps{stopped}; final loss {history['loss'][-1]:.4f}")
+    loss = f"final loss {history['loss'][-1]:.4f}"
+    new = history.get("new_steps", done)
+    if new == 0:
+        print(f"{args.run_dir} had already trained {done} steps{stopped}; {loss}")
+    else:
+        resumed = f" (resumed at step {done - new})" if new < done else ""
+        print(f"trained {done} steps{stopped}{resumed}; {loss}")
     return 0
 
 
@@ -273,8 +279,10 @@ def _train(args, config, source, flow, settings) -> dict:
     tty = sys.stderr.isatty() and not args.no_progress
     metrics = _Metrics(os.path.join(args.run_dir, "metrics.jsonl"))
     last = {"t": time.perf_counter()}
+    new_steps = []  # the steps this process trained (none if the run had finished)
 
     def on_log(record):
+        new_steps.append(record["step"])
         now = time.perf_counter()
         record = dict(record, step_seconds=now - last["t"])
         last["t"] = now
@@ -312,7 +320,7 @@ def _train(args, config, source, flow, settings) -> dict:
         )
     finally:
         metrics.close()
-    return history
+    return dict(history, new_steps=len(new_steps))
 
 
 def cmd_eval(args) -> int:

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,6 +234,13 @@ def test_4_kill_and_resume_logs_every_step_exactly_once(tmp_path, capsys):
         assert [json.loads(line)["step"] for line in f] == list(range(1, 31))
     out, err = capsys.readouterr()
     assert "taking over the lock" in err and "skipping" not in out + err
+    # The last line says where the run resumed; run again, it says it had finished.
+    assert re.search(r"trained 30 steps \(resumed at step (10|15|20|25)\);", out)
+    with jax.enable_x64(False):
+        assert main(["train", *argv]) == 0
+    assert f"{run} had already trained 30 steps; final loss" in capsys.readouterr().out
+    with open(metrics) as f:
+        assert len(f.readlines()) == 30  # nothing logged again
     # `cnftrace plot` reads each step once, even from a log written with repeats.
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')
