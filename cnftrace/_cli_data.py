@@ -2,6 +2,7 @@
 `--data-dir`, or the user's files), the figures reported beside a test NLL, the list
 of `cnftrace datasets`, and samples written to a file."""
 
+import difflib
 import io
 import os
 
@@ -59,9 +60,12 @@ def _is_name(data) -> bool:
 
 def _data_error(data) -> UsageError:
     shown = data if isinstance(data, str) else " ".join(data)
+    names = ALL_DATASETS + DIRECTORY_DATASETS
+    close = difflib.get_close_matches(shown, names, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
     return UsageError(
-        f"--data {shown}: not a data set name nor a data file. Give one of "
-        f"{', '.join(ALL_DATASETS + DIRECTORY_DATASETS)} (the last six with "
+        f"--data {shown}: not a data set name nor a data file.{hint} Give one of "
+        f"{', '.join(names)} (the last six with "
         f"--data-dir DIR; `cnftrace datasets` lists them), or the path of a file "
         f"ending in {', '.join(TABLE_FORMATS)}."
     )

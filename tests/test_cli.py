@@ -101,9 +101,14 @@ def test_per_dataset_training_defaults():
     assert resolved("--dataset", "checkerboard", "--steps", "10") == (10, 256)
 
 
-def test_bad_arguments():
+def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--run-dir", "x", "--data", "nonsense"])
+    assert "Did you mean" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--run-dir", "x", "--data", "8gaussian"])
+    err = capsys.readouterr().err
+    assert "not a data set name nor a data file. Did you mean 8gaussians?" in err
     with pytest.raises(SystemExit, match="--steps must be at least 1"):
         main(["train", "--run-dir", "x", "--steps", "0"])
 
