@@ -338,8 +338,7 @@ def plot_image_grid(
     - `images`: shape `(n, h, w)`, values in `[0, 1]` (dark is 1).
     - `path`: the PNG file to write.
     - `ncols`: images per row.
-    - `title`: an optional first line of the title; the title always says where the
-        data and the samples are, and which columns are shown if not all.
+    - `title`: an optional title above the grid.
 
     **Returns:**
 
