@@ -262,27 +262,30 @@ def cmd_train(args) -> int:
         lock = DirectoryLock(args.run_dir, "run directory")
     with lock:
         _write_config(args.run_dir, config)
-        history = _train(args, config, source, flow, settings)
+        history, start = _train(args, config, source, flow, settings)
     done = history["step"][-1] if history["step"] else args.steps
     stopped = "" if done >= args.steps else f" (stopped early, of {args.steps})"
     loss = f"final loss {history['loss'][-1]:.4f}"
-    new = history.get("new_steps", done)
-    if new == 0:
+    if start is None:
         print(f"{args.run_dir} had already trained {done} steps{stopped}; {loss}")
     else:
-        resumed = f" (resumed at step {done - new})" if new < done else ""
+        resumed = f" (resumed at step {start})" if start else ""
         print(f"trained {done} steps{stopped}{resumed}; {loss}")
     return 0
 
 
-def _train(args, config, source, flow, settings) -> dict:
+def _train(args, config, source, flow, settings) -> tuple[dict, int | None]:
+    """`fit` on the run directory: its history, and the step this process started
+    training from (0 for a new run; `None` where the run had already finished)."""
     tty = sys.stderr.isatty() and not args.no_progress
     metrics = _Metrics(os.path.join(args.run_dir, "metrics.jsonl"))
     last = {"t": time.perf_counter()}
-    new_steps = []  # the steps this process trained (none if the run had finished)
+    start = None
 
     def on_log(record):
-        new_steps.append(record["step"])
+        nonlocal start
+        if start is None:
+            start = record["step"] - 1
         now = time.perf_counter()
         record = dict(record, step_seconds=now - last["t"])
         last["t"] = now
@@ -320,7 +323,7 @@ def _train(args, config, source, flow, settings) -> dict:
         )
     finally:
         metrics.close()
-    return dict(history, new_steps=len(new_steps))
+    return history, start
 
 
 def cmd_eval(args) -> int:
