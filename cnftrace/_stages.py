@@ -25,9 +25,9 @@ from jax import lax
 
 def scannable(solver) -> bool:
     """Whether `solver`'s step can run as `StageScan`: an explicit, first-same-as-last
-    Runge-Kutta method with one tableau (Tsit5, Dopri5, Bosh3) whose stage loop is
-    diffrax's default (`scan_kind=None`). Pass `scan_kind="checkpointed"` to keep
-    diffrax's own loop."""
+    Runge-Kutta method with one tableau (Tsit5, Dopri5, Dopri8, Bosh3) whose stage
+    loop is diffrax's default (`scan_kind=None`). Pass `scan_kind="checkpointed"` to
+    keep diffrax's own loop."""
     if not isinstance(solver, diffrax.AbstractERK):
         return False
     tableau = getattr(solver, "tableau", None)
