@@ -45,6 +45,7 @@ from jax.experimental import serialize_executable
 
 from ._cache import OPT_OUT
 from ._checkpoint import CheckpointError, _atomic_write
+from ._compile_options import without_tiled_emitter
 
 FORMAT = "cnftrace-step-v1"
 SUBDIR = "cnftrace-steps"
@@ -484,7 +485,10 @@ def _compile_in_background(
         # XLA compiles without holding Python's lock.
         thread = threading.get_ident()
         _CACHE_HITS.discard(thread)
-        with contextlib.nullcontext() if jax_cache else _no_cache_write():
+        with (
+            contextlib.nullcontext() if jax_cache else _no_cache_write(),
+            without_tiled_emitter(),  # less to compile, the same kernels
+        ):
             compiled = lowered.compile()
         if thread in _CACHE_HITS:
             # Read from JAX's compilation cache, not compiled: XLA:CPU serializes

@@ -275,3 +275,47 @@ def test_a_float32_flow_under_x64_is_stored_and_solves_in_float32(cache_dir):
     # The solve's time, and so its state, stays float32 (not promoted to float64).
     assert info["loss"].dtype == jnp.float32 and bool(finite)
     assert all(g.dtype == jnp.float32 for g in grads)
+
+
+def test_the_step_compiles_without_the_tiled_emitter_and_nothing_else_does():
+    """`_compile_options.without_tiled_emitter`: the compile options JAX builds in
+    its thread carry XLA:CPU's `xla_cpu_disable_tiled_emitter` (and keep every other
+    setting); outside it, or in another thread meanwhile, they do not."""
+    import threading
+
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    from cnftrace import _compile_options
+
+    option = b"xla_cpu_disable_tiled_emitter"
+    plain = xla_client.CompileOptions()
+    plain.executable_build_options.debug_options.xla_backend_optimization_level = 1
+    merged = _compile_options.with_option(plain)
+    assert option in merged.SerializeAsString()
+    assert (
+        merged.executable_build_options.debug_options.xla_backend_optimization_level
+        == 1
+    )
+    assert option not in plain.SerializeAsString()  # a copy, not the caller's
+
+    backend = jax.devices()[0].client
+
+    def options():
+        built = compiler.get_compile_options(1, 1, backend=backend)
+        return option in built.SerializeAsString()
+
+    seen = {}
+    with _compile_options.without_tiled_emitter():
+        seen["inside"] = options()
+        other = threading.Thread(target=lambda: seen.setdefault("other", options()))
+        other.start()
+        other.join()
+    seen["after"] = options()
+    assert seen == {"inside": True, "other": False, "after": False}
+    # A program compiled inside computes what it computes outside, bit for bit.
+    fn = jax.jit(lambda x: jnp.tanh(x[:3] * 2.0 + 1.0).sum(0) / 3.0)
+    x = jnp.linspace(-2.0, 2.0, 40).reshape(8, 5)
+    with _compile_options.without_tiled_emitter():
+        inside = fn.lower(x).compile()(x)
+    np.testing.assert_array_equal(inside, jax.jit(lambda x: fn(x) + 0.0)(x))
