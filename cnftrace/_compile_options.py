@@ -59,20 +59,22 @@ def with_option(options):
     return merged if _OPTION in merged.SerializeAsString() else options
 
 
-def _install() -> bool:
+def _install() -> None:
     """Wraps JAX's `get_compile_options` (once) so that it applies `with_option`
-    for CPU compiles made inside `without_tiled_emitter`."""
+    for CPU compiles made inside `without_tiled_emitter`; another JAX without that
+    function is left as it is."""
     global _installed
     with _install_lock:
         if _installed:
-            return True
+            return
+        _installed = True
         try:
             from jax._src import compiler
         except ImportError:
-            return False
+            return
         original = getattr(compiler, "get_compile_options", None)
         if original is None:
-            return False
+            return
 
         def get_compile_options(*args, **kwargs):
             options = original(*args, **kwargs)
@@ -83,8 +85,6 @@ def _install() -> bool:
             return options
 
         compiler.get_compile_options = get_compile_options
-        _installed = True
-        return True
 
 
 @contextlib.contextmanager
