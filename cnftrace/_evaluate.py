@@ -13,7 +13,6 @@ from ._checks import check_context, check_int
 from ._custom_types import Key
 from ._estimators import AbstractEstimator, Exact
 from ._flow import AbstractFlow, SolverError, _need_key, _validate_input
-from ._tracing import without_collector
 
 
 class NLL(eqx.Module):
@@ -44,7 +43,6 @@ class NLL(eqx.Module):
         return f"{self.mean:.4f} ± {self.stderr:.4f} nats"
 
 
-@without_collector
 @eqx.filter_jit
 def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     """The log-density of a checked batch, its evaluations per solve and the first

@@ -37,7 +37,6 @@ from ._estimators import AbstractEstimator, Exact, check_estimator
 from ._norm import max_rms_norm, max_rms_seminorm
 from ._stages import StageScan, scannable
 from ._term import CNFTerm, StateTerm
-from ._tracing import without_collector
 
 
 class SolveStats(eqx.Module):
@@ -311,20 +310,15 @@ def _tracing(tree) -> bool:
 def _compiled(fn: Callable) -> Callable:
     """`fn(flow, *args)` as one compiled program (per flow structure, shapes and
     static arguments) when called on concrete values: run op by op, a first call
-    compiled about a hundred small programs (3.8 s for a `log_prob` against 1.2 s).
-    Inside a caller's transformation (any argument traced) it is inlined as it is,
-    and where equinox cannot jit it (a static part that cannot be hashed) it runs op
-    by op."""
-    jitted = without_collector(eqx.filter_jit(fn))
+    compiles about a hundred small programs. Inside a caller's transformation (any
+    argument traced) it is inlined as it is, so that values the caller traces are
+    never baked into a program of their own."""
+    jitted = eqx.filter_jit(fn)
 
     def call(flow, *args):
-        if not _tracing((flow, args)):
-            try:
-                return jitted(flow, *args)
-            except TypeError as error:
-                if "unhashable" not in str(error):
-                    raise
-        return fn(flow, *args)
+        if _tracing((flow, args)):
+            return fn(flow, *args)
+        return jitted(flow, *args)
 
     return call
 

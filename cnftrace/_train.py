@@ -1,7 +1,6 @@
 """`fit`: a short loop over `Trainer`'s step, with validation, checkpoints and
 progress around it."""
 
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -41,8 +40,8 @@ from ._trainer import (
     TrainState,
     copy_arrays,
     default_optimizer,
+    jitted_step_donating,
     raise_for_failures,
-    training_step,
 )
 
 
@@ -392,9 +391,6 @@ class _Loop:
             unit="it",
         )
         every = None if self.checkpoints is None else self.checkpoints.every
-        # The step's gradient as stored by an earlier process, if there is one
-        # (with the compilation cache on): no tracing it again.
-        step = training_step(self.trainer, self.state, donate=True, stored=True)
         # A step that is only logged is logged once the next one has been handed to
         # the device (from its record and a copy of its counters: its state is given
         # to the next step), so that the host's work (the next step's dispatch, this
@@ -435,7 +431,7 @@ class _Loop:
         try:
             for i in bar:
                 done = i + 1
-                self.state, info = step(self.state)
+                self.state, info = jitted_step_donating(self.trainer, self.state)
                 if pending is not None:
                     last, pending = pending, None
                     finish(*last)
@@ -471,10 +467,6 @@ class _Loop:
                 except Exception:
                     pass
             raise
-        finally:
-            # The compiled step is written (from the second step on, in the
-            # background) by the time `fit` returns.
-            concurrent.futures.wait(getattr(step, "save", list)())
         bar.close()
         if self.validation is not None:
             _, static = eqx.partition(self.state.flow, eqx.is_inexact_array)

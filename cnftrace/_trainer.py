@@ -6,8 +6,6 @@ records the step and diffrax's result. Nothing raises inside the compiled step;
 `Trainer.check` raises on the host, wherever the caller syncs.
 """
 
-import concurrent.futures
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +16,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+from jax import lax
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._builders import warmup_cosine_adam
@@ -33,8 +32,6 @@ from ._flow import AbstractFlow
 from ._matching import SHORTHANDS
 from ._objectives import AbstractObjective, MaximumLikelihood
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
-from ._stepcache import enabled as stepcache_enabled, exported_grads
-from ._tracing import without_collector
 
 DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
 OBJECTIVES = ("mle", "fm", "ot-fm")
@@ -368,7 +365,7 @@ class Trainer(eqx.Module):
         `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
         the objective's other metrics.
         """
-        return training_step(self, state)(state)
+        return jitted_step(self, state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
         """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
@@ -448,25 +445,27 @@ def raise_for_failures(counters: StepCounters, flow, max_failures: int | None) -
         )
 
 
-def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, key):
-    """The objective's gradient at the parameters `leaves` (the flow's inexact
-    arrays, flattened by `treedef`; `static` is the rest of the flow), on batch `x`
-    with key data `key` of implementation `impl`. Returns only arrays in plain
-    containers, so that it can be exported and stored (`_stepcache`):
-    `(info, grads, finite)`: the step's record (`loss`, the objective's metrics,
-    `nfe`, `nfe_backward`, and `result`, diffrax's result code), the gradient, and
-    whether the loss and the gradient are finite."""
-    key = jr.wrap_key_data(key, impl=impl)
+_RESULT_TREE = jax.tree_util.tree_structure(diffrax.RESULTS.successful)
+
+
+def _gradient(trainer: Trainer, flow: AbstractFlow, batch, ctx, key):
+    """The objective's gradient with respect to the flow's parameters, on `batch`
+    with the loss's randomness from `key`: `(info, grads, finite, result)`, the
+    step's record (`loss`, the objective's metrics, `nfe`, `nfe_backward`), the
+    gradient, whether the loss and the gradient are finite, and diffrax's result of
+    the solves behind it."""
+    params, static = eqx.partition(flow, eqx.is_inexact_array)
     # The gradient with respect to `counter` counts the backward pass's evaluations
     # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
-    counter = jnp.zeros((), x.dtype) if count else None
+    counter = jnp.zeros((), batch.dtype) if _discrete_adjoints(flow) else None
 
-    def loss_fn(leaves, counter):
-        flow = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
-        return objective.loss(flow, x, ctx, key, counter)
+    def loss_fn(params, counter):
+        return trainer.objective.loss(
+            eqx.combine(params, static), batch, ctx, key, counter
+        )
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-    (loss, metrics), (grads, backward) = grad_fn(leaves, counter)
+    (loss, metrics), (grads, backward) = grad_fn(params, counter)
     info = dict(metrics)
     stats = info.pop("stats", None)
     result = diffrax.RESULTS.successful
@@ -479,141 +478,31 @@ def _objective_grads(objective, static, treedef, impl, count, leaves, x, ctx, ke
             jnp.round(backward).astype(int) if backward is not None else -1
         )
     info = {k: jnp.asarray(v) for k, v in info.items()}
-    info["result"] = jnp.asarray(jax.tree_util.tree_leaves(result)[0], jnp.int32)
     finite = jnp.isfinite(loss) & _all_finite(grads)
-    return info, grads, finite
+    return info, grads, finite, result
 
 
-_RESULT_TREE = jax.tree_util.tree_structure(diffrax.RESULTS.successful)
-
-
-def step_program(trainer: Trainer, state: TrainState):
-    """The stored form of the step's gradient (`_stepcache.exported_grads`) for this
-    trainer and state, or `None` (cache off, a model the cache cannot describe, or a
-    mesh)."""
-    if trainer.mesh is not None or not stepcache_enabled():
-        return None
-    fn, fixed, args = _grad_parts(trainer, state)
-    objective, static, treedef, impl, count = fixed
-    # What the key describes: the tree structure as the parameters' dtypes and
-    # shapes in their places (a PyTreeDef cannot be described).
-    places = jax.tree_util.tree_unflatten(
-        treedef, [f"{x.dtype}{x.shape}" for x in args[0]]
-    )
-    return exported_grads(fn, (objective, static, places, impl, count), args)
-
-
-def _update_leaves(
-    optimizer, treedef, static, leaves, bad_batch, grads, finite, result
-):
-    """`_update` on one device over the state's arrays flattened (`leaves`, by
-    `treedef`; `static` is the rest of the state), returning the new state's arrays
-    flattened the same way and whether the step was skipped: only arrays in plain
-    containers, so that it can be stored (`_stepcache`)."""
-    state = eqx.combine(jax.tree_util.tree_unflatten(treedef, leaves), static)
-    new, skipped = _update(optimizer, None, state, bad_batch, grads, finite, result)
-    return jax.tree_util.tree_leaves(eqx.filter(new, eqx.is_array)), skipped
-
-
-def update_program(trainer: Trainer, state: TrainState):
-    """The stored form of the update (`_update_leaves`) for this trainer's optimiser
-    and this state, or `None` (cache off, an optimiser or model the cache cannot
-    describe, or a mesh): a later process reads it compiled instead of tracing
-    the optimiser's update again."""
-    if trainer.mesh is not None or not stepcache_enabled():
-        return None
-    arrays, static = eqx.partition(state, eqx.is_array)
-    leaves, treedef = jax.tree_util.tree_flatten(arrays)
-    places = jax.tree_util.tree_unflatten(
-        treedef, [f"{x.dtype}{x.shape}" for x in leaves]
-    )
-    fn = functools.partial(_update_leaves, trainer.optimizer, treedef, static)
-    return exported_grads(
-        fn,
-        ("update", trainer.optimizer, static, places),
-        (leaves, *_update_inputs(arrays.flow)),
-    )
-
-
-def _update_inputs(flow: AbstractFlow) -> tuple:
-    """The shapes of what the update takes from a step beside the state: whether
-    the batch was bad, the gradient (flattened), whether it and the loss are
-    finite, and the solve's result code."""
-    grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _grads_input(flow)]
-    flag = jax.ShapeDtypeStruct((), jnp.bool_)
-    return flag, grads, flag, jax.ShapeDtypeStruct((), jnp.int32)
-
-
-class _StoredUpdate:
-    """The update through its stored program (`update_program`), with the split
-    step's signature; the jitted update for good where the program cannot take
-    the arguments (a `TypeError` or `ValueError` raised before anything runs)."""
-
-    def __init__(self, program, jitted):
-        self.program, self.jitted = program, jitted
-
-    def __call__(self, trainer_arrays, arrays, bad_batch, grads, finite, result):
-        if self.program is not None:
-            leaves, treedef = jax.tree_util.tree_flatten(arrays)
-            try:
-                new, skipped = self.program.executable()(
-                    leaves, bad_batch, grads, finite, result
-                )
-                return jax.tree_util.tree_unflatten(treedef, new), skipped
-            except (TypeError, ValueError):
-                self.program = None
-        return self.jitted(trainer_arrays, arrays, bad_batch, grads, finite, result)
-
-
-def _grad_parts(trainer: Trainer, state: TrainState, batch=None, ctx=None, key=None):
+def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, result):
+    """`(state, skipped)`: the state after a step whose gradient is `grads`, given
+    whether it and the loss are `finite` and the solves' `result`: the optimiser's
+    update, unless the step failed or is skipped."""
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    if batch is None:  # shapes only, for the cache's key
-        batch, ctx = jax.eval_shape(
-            lambda k: trainer.sample(k, trainer.batch_size)[:2], trainer.key
-        )
-        key = jax.eval_shape(lambda k: jr.key_data(jr.split(k)[0]), trainer.key)
-    impl = str(jr.key_impl(trainer.key))
-    fixed = (trainer.objective, static, treedef, impl, _discrete_adjoints(state.flow))
-    return functools.partial(_objective_grads, *fixed), fixed, (leaves, batch, ctx, key)
-
-
-def _draw(trainer: Trainer, state: TrainState):
-    """The step's batch (and context), whether the batch is bad, and the key data of
-    the loss's randomness, all from `fold_in(trainer.key, state.step)`."""
-    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
-    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
-    if trainer.mesh is not None:
-        # Every process draws the same global batch; each device keeps its part.
-        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
-    return batch, ctx, bad_batch, jr.key_data(loss_key)
-
-
-def _update(
-    optimizer, mesh, state: TrainState, bad_batch, grads, finite, result
-) -> tuple[TrainState, Array]:
-    """`(state, skipped)`: the state after a step whose gradient program returned
-    the gradient `grads` (flattened), whether it and the loss are `finite`, and the
-    solve's `result` code (see `_objective_grads`): `optimizer`'s update, unless the
-    step failed or is skipped. Its inputs do not depend on the objective, so it can
-    be compiled before the gradient is traced."""
-    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
-    treedef = jax.tree_util.tree_structure(params)
-    grads = jax.tree_util.tree_unflatten(treedef, grads)
-    result = jax.tree_util.tree_unflatten(_RESULT_TREE, [result])
-
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-    # Keep each parameter's dtype (an optax schedule is float64 under x64).
-    updates = jax.tree_util.tree_map(lambda u, p: u.astype(p.dtype), updates, params)
-    new_params = eqx.apply_updates(params, updates)
     solved = result == diffrax.RESULTS.successful
     frozen = (state.failed_step > 0) | (state.bad_batch_step > 0)
     ok = finite & solved & ~bad_batch & ~frozen
-    keep_new = lambda new, old: jnp.where(ok, new, old)
-    params = jax.tree_util.tree_map(keep_new, new_params, params)
-    opt_state = jax.tree_util.tree_map(keep_new, new_opt_state, state.opt_state)
-    if mesh is not None:
-        params, opt_state = mesh.keep_replicated((params, opt_state))
+
+    def apply(params, opt_state):
+        updates, opt_state = trainer.optimizer.update(grads, opt_state, params)
+        # Keep each parameter's dtype (an optax schedule is float64 under x64).
+        updates = jax.tree_util.tree_map(
+            lambda u, p: u.astype(p.dtype), updates, params
+        )
+        return eqx.apply_updates(params, updates), opt_state
+
+    keep = lambda params, opt_state: (params, opt_state)
+    params, opt_state = lax.cond(ok, apply, keep, params, state.opt_state)
+    if trainer.mesh is not None:
+        params, opt_state = trainer.mesh.keep_replicated((params, opt_state))
     fails_now = ~solved & ~bad_batch & ~frozen
     state = TrainState(
         step=state.step + 1,
@@ -630,236 +519,22 @@ def _update(
     return state, ~ok
 
 
-def _step_info(info: dict, skipped) -> dict:
-    """What a step returns beside the state: the gradient program's record without
-    the result code (kept in the state), and whether the step was skipped."""
-    info = {k: v for k, v in info.items() if k != "result"}
-    info["skipped"] = skipped
-    return info
-
-
 def _train_step(trainer: Trainer, state: TrainState):
-    """One step as one program: what a data-parallel run (a mesh) runs."""
-    batch, ctx, bad_batch, key = _draw(trainer, state)
-    fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
-    info, grads, finite = fn(*args)
-    state, skipped = _update(
-        trainer.optimizer, trainer.mesh, state, bad_batch, grads, finite, info["result"]
-    )
-    return state, _step_info(info, skipped)
+    """One training step: the batch and the loss's randomness from
+    `fold_in(trainer.key, state.step)`, the objective's gradient, the update."""
+    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
+    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
+    if trainer.mesh is not None:
+        # Every process draws the same global batch; each device keeps its part.
+        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
+    info, grads, finite, result = _gradient(trainer, state.flow, batch, ctx, loss_key)
+    state, skipped = _update(trainer, state, bad_batch, grads, finite, result)
+    info["skipped"] = skipped
+    return state, info
 
 
-_step = without_collector(eqx.filter_jit(_train_step))
-# `fit` gives the state's buffers to the step: it never reuses a state.
-_step_donating = without_collector(
-    eqx.filter_jit(_train_step, donate="all-except-first")
-)
-
-
-class _SplitPrograms:
-    """A step's three programs (draw, gradient, update) for one trainer's and one
-    state's static parts, jitted over arrays alone: a step then costs three
-    dispatches and a partition of the state, not a partition and hash of the whole
-    trainer and flow per program (which made a flow-matching step several times
-    slower than its computation)."""
-
-    def __init__(self, trainer_static, state_static, donate: bool):
-        self.state_static = state_static
-
-        def _draw_program(trainer_arrays, step):
-            trainer = eqx.combine(trainer_arrays, trainer_static)
-            return _draw(trainer, _StepOnly(step))
-
-        def _grads_program(trainer_arrays, state_arrays, batch, ctx, key):
-            trainer = eqx.combine(trainer_arrays, trainer_static)
-            state = eqx.combine(state_arrays, state_static)
-            fn, _, args = _grad_parts(trainer, state, batch, ctx, key)
-            return fn(*args)
-
-        def _update_program(
-            trainer_arrays, state_arrays, bad_batch, grads, finite, result
-        ):
-            trainer = eqx.combine(trainer_arrays, trainer_static)
-            state = eqx.combine(state_arrays, state_static)
-            new, skipped = _update(
-                trainer.optimizer, None, state, bad_batch, grads, finite, result
-            )
-            return eqx.filter(new, eqx.is_array), skipped
-
-        self.draw = jax.jit(_draw_program)
-        self.grads = jax.jit(_grads_program)
-        # Only the state is donated (the gradient's buffers cannot be reused).
-        self.update = jax.jit(_update_program, donate_argnums=(1,) if donate else ())
-        # The draw and the update compiled ahead (`SplitStep`), by their arguments'
-        # types.
-        self.ahead: dict = {}
-
-    def draw_ahead(self, trainer_arrays, state_arrays) -> "_CompiledAhead":
-        """The draw compiled (or compiling) for these arrays' types: made once, so
-        that a later run of the same model reuses it."""
-        return self._ahead("draw", trainer_arrays, state_arrays)
-
-    def update_ahead(self, trainer_arrays, state_arrays) -> "_CompiledAhead":
-        """The update, as `draw_ahead`."""
-        return self._ahead("update", trainer_arrays, state_arrays)
-
-    def _ahead(self, which, trainer_arrays, state_arrays):
-        leaves, treedef = jax.tree_util.tree_flatten((trainer_arrays, state_arrays))
-        key = (which, treedef, tuple(jax.typeof(x) for x in leaves))
-        if key not in self.ahead:
-            if which == "draw":
-                args = (trainer_arrays, state_arrays.step)
-            else:
-                args = (
-                    trainer_arrays,
-                    state_arrays,
-                    *_update_inputs(state_arrays.flow),
-                )
-            self.ahead[key] = _CompiledAhead(getattr(self, which), *args)
-        return self.ahead[key]
-
-
-class _StepOnly(eqx.Module):
-    """What `_draw` reads of a state: its step."""
-
-    step: Array
-
-
-# The programs of recent runs, by their static parts: a second `fit` of the same
-# model reuses them (traced and compiled) as the jitted step used to.
-_PROGRAMS: dict = {}
-_MAX_PROGRAMS = 16
-
-
-def _split_programs(trainer: Trainer, state: TrainState, donate: bool):
-    """`(trainer's arrays, _SplitPrograms)`; a `TypeError` where a static part
-    cannot be hashed."""
-    trainer_arrays, trainer_static = eqx.partition(trainer, eqx.is_array)
-    state_static = eqx.filter(state, eqx.is_array, inverse=True)
-    # The result code's static part (diffrax's enumeration) is the same for every
-    # state, and cannot be hashed.
-    key = (trainer_static, state_static.flow, state_static.opt_state, donate)
-    programs = _PROGRAMS.pop(key, None)
-    if programs is None:
-        programs = _SplitPrograms(trainer_static, state_static, donate)
-    _PROGRAMS[key] = programs  # the most recently used last
-    while len(_PROGRAMS) > _MAX_PROGRAMS:
-        del _PROGRAMS[next(iter(_PROGRAMS))]
-    return trainer_arrays, programs
-
-
-def _grads_input(flow: AbstractFlow) -> list:
-    return jax.tree_util.tree_leaves(eqx.filter(flow, eqx.is_inexact_array))
-
-
-class _CompiledAhead:
-    """`jitted`, traced and lowered for `args` when made and compiled in a
-    background thread (XLA compiles without holding Python's lock), so that it
-    compiles while the caller goes on tracing. Called, it waits for that compile and
-    runs the compiled program; it falls back on `jitted` for good if compiling
-    failed or the arguments differ from `args`' types (a `TypeError` or `ValueError`
-    raised before anything runs)."""
-
-    def __init__(self, jitted, *args):
-        self.jitted = jitted
-        self._future = None
-        try:
-            lowered = jitted.trace(*args).lower()
-        except Exception:
-            return
-        self._future = _AHEAD.submit(lowered.compile)
-
-    def __call__(self, *args):
-        if self._future is not None:
-            try:
-                compiled = self._future.result()
-            except Exception:
-                compiled = None
-            self._future = None
-            self._compiled = compiled
-        compiled = getattr(self, "_compiled", None)
-        if compiled is not None:
-            try:
-                return compiled(*args)
-            except (TypeError, ValueError):
-                self._compiled = None
-        return self.jitted(*args)
-
-
-_AHEAD = concurrent.futures.ThreadPoolExecutor(1, "cnftrace-compile-ahead")
-
-
-class SplitStep:
-    """One step on one device, as three programs: the draw, the objective's gradient
-    and the update. With `stored` (what `fit` runs), the gradient and the update
-    are taken compiled from the store beside the compilation cache (`_stepcache`:
-    no tracing or lowering), or put there, and compute bit for bit what
-    `Trainer.step` computes; the draw compiles in the background while the gradient
-    is traced, and the update (whose inputs do not depend on the objective) is
-    traced while the gradient compiles, and compiles beside it. `donate`: the
-    state's buffers are given to the update. Built once per run; a `TypeError` where
-    the trainer or the flow holds a static part that cannot be hashed."""
-
-    @without_collector  # it traces the stored programs
-    def __init__(self, trainer: Trainer, state: TrainState, donate=False, stored=False):
-        self.trainer_arrays, self.programs = _split_programs(trainer, state, donate)
-        p = self.programs
-        self._draw, self._update, self.program = p.draw, p.update, None
-        self._calls = 0
-        if not stored:
-            return
-        arrays = eqx.filter(state, eqx.is_array)
-        # The draw compiles while the gradient is traced; the update is traced
-        # while the gradient compiles (which leaves a core free for its first
-        # second or so), and compiles beside it.
-        self._draw = p.draw_ahead(self.trainer_arrays, arrays)
-        program = step_program(trainer, state)
-        if program is not None and program.has_executable:
-            self.program = program
-        # The update read from the store, or compiled now.
-        update = update_program(trainer, state)
-        if update is not None and update.has_executable:
-            self._update = _StoredUpdate(update, p.update)
-        else:
-            self._update = p.update_ahead(self.trainer_arrays, arrays)
-
-    @without_collector  # the jitted programs trace at their first call
-    def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
-        p = self.programs
-        arrays = eqx.filter(state, eqx.is_array)
-        batch, ctx, bad_batch, key = self._draw(self.trainer_arrays, arrays.step)
-        if self.program is None:
-            out = p.grads(self.trainer_arrays, arrays, batch, ctx, key)
-        else:
-            out = self.program.executable()(_grads_input(arrays.flow), batch, ctx, key)
-        info, grads, finite = out
-        new, skipped = self._update(
-            self.trainer_arrays, arrays, bad_batch, grads, finite, info["result"]
-        )
-        if self._calls == 1:
-            self.save()  # the first step has been waited for
-        self._calls += 1
-        return eqx.combine(new, p.state_static), _step_info(info, skipped)
-
-    def save(self) -> list[concurrent.futures.Future]:
-        """Writes the executables this process compiled for the store, in the
-        background (`_stepcache.ExportedGrads.save_executable`; the futures of
-        those writes): done at the second step, so that the first does not wait
-        for it, and by `fit` at its end, which waits for them."""
-        programs = (self.program, getattr(self._update, "program", None))
-        saving = [p.save_executable() for p in programs if p is not None]
-        return [future for future in saving if future is not None]
-
-
-def training_step(trainer: Trainer, state: TrainState, donate=False, stored=False):
-    """The step `Trainer.step` and `fit` run, as a function of the state: the split
-    step on one device, one program on a mesh or where a static part cannot be hashed
-    (both callers take the same one, so they compute the same numbers). `stored`:
-    the gradient program comes from (or goes to) the store beside the compilation
-    cache (`_stepcache`), where it is on."""
-    if trainer.mesh is None:
-        try:
-            return SplitStep(trainer, state, donate, stored)
-        except TypeError:
-            pass
-    return functools.partial(_step_donating if donate else _step, trainer)
+# The step as one program, traced once for each trainer's and state's static parts
+# (equinox keys its cache by them). `fit` never reuses a state, so its step takes
+# the state's buffers for the new one.
+jitted_step = eqx.filter_jit(_train_step)
+jitted_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")

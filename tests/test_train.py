@@ -207,41 +207,40 @@ def _scripted_step(skipped_steps, calls):
     `skipped_steps` are skipped, and each call deletes the counters of the state it
     was given, as donating them to the device would."""
 
-    def make(trainer, state, donate, stored):
-        def step(state):
-            n, failures, total = (
-                int(x) for x in (state.step, state.failures, state.skipped)
-            )
-            calls.append(n + 1)
-            skip = n + 1 in skipped_steps
-            counters = dict(
-                step=n + 1,
-                failures=failures + 1 if skip else 0,
-                skipped=total + skip,
-                failed_step=0,
-                bad_batch_step=0,
-            )
-            for name in counters:
-                getattr(state, name).delete()
-            new = eqx.tree_at(
-                lambda s: [getattr(s, name) for name in counters],
-                state,
-                [jnp.asarray(v, jnp.int32) for v in counters.values()],
-            )
-            info = dict(loss=jnp.asarray(n + 1.0), nfe=jnp.asarray(7))
-            info.update(nfe_backward=jnp.asarray(6), skipped=jnp.asarray(skip))
-            return new, info
+    def step(trainer, state):
+        n, failures, total = (
+            int(x) for x in (state.step, state.failures, state.skipped)
+        )
+        calls.append(n + 1)
+        skip = n + 1 in skipped_steps
+        counters = dict(
+            step=n + 1,
+            failures=failures + 1 if skip else 0,
+            skipped=total + skip,
+            failed_step=0,
+            bad_batch_step=0,
+        )
+        for name in counters:
+            getattr(state, name).delete()
+        new = eqx.tree_at(
+            lambda s: [getattr(s, name) for name in counters],
+            state,
+            [jnp.asarray(v, jnp.int32) for v in counters.values()],
+        )
+        info = dict(loss=jnp.asarray(n + 1.0), nfe=jnp.asarray(7))
+        info.update(nfe_backward=jnp.asarray(6), skipped=jnp.asarray(skip))
+        return new, info
 
-        return step
-
-    return make
+    return step
 
 
 def test_fit_logs_each_step_from_its_own_counters(monkeypatch):
     """`fit` logs a step once the next one is dispatched (its state is then donated):
     every record and failure check must come from that step's own counters."""
     calls, records = [], []
-    monkeypatch.setattr(cnftrace._train, "training_step", _scripted_step({3, 4}, calls))
+    monkeypatch.setattr(
+        cnftrace._train, "jitted_step_donating", _scripted_step({3, 4}, calls)
+    )
     run = lambda **kw: cnftrace.fit(  # noqa: E731
         _flow(jr.key(8)), _gaussian, key=jr.key(1), batch_size=BATCH,
         optimizer=_ADAM, progress=False, on_log=records.append, **kw,
