@@ -1,72 +1,73 @@
 """cnftrace: continuous normalizing flows and ODE divergence estimators for JAX.
 
-The public API lives here; the `_`-modules are private.
+The public API lives here. The subpackages hold the layers, bottom to top: `estimators`
+(trace estimators), `ode` (the diffrax term and the solve's parts), `nets` (vector
+fields), `flows`, `objectives`, `training`, `runs` (saving and loading) and `cli`; with
+`datasets` and `plot` beside them.
 """
 
-from ._builders import mlp_flow as mlp_flow, warmup_cosine_adam as warmup_cosine_adam
-from ._cache import (
-    default_cache_dir as default_cache_dir,
-    enable_compilation_cache as enable_compilation_cache,
-)
-from ._checkpoint import CheckpointError as CheckpointError
-from ._estimators import (
+from .estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,
     Hutchinson as Hutchinson,
+    HutchPlusPlus as HutchPlusPlus,
+    XTrace as XTrace,
     divergence as divergence,
+    trace as trace,
 )
-from ._evaluate import (
-    NLL as NLL,
-    evaluate_nll as evaluate_nll,
-    log_prob_batched as log_prob_batched,
-)
-from ._flow import (
+from .flows import (
     CNF as CNF,
     AbstractFlow as AbstractFlow,
     Chain as Chain,
-    Regularization as Regularization,
+    MultiscaleFlow as MultiscaleFlow,
     SolverError as SolverError,
-    SolveStats as SolveStats,
+    Standardization as Standardization,
+    StandardizedFlow as StandardizedFlow,
+    default_n_scales as default_n_scales,
     make_flow as make_flow,
+    mlp_flow as mlp_flow,
+    squeeze as squeeze,
+    unsqueeze as unsqueeze,
 )
-from ._matching import (
+from .nets import (
+    ConcatConv2d as ConcatConv2d,
+    ConcatSquashLinear as ConcatSquashLinear,
+    ConcatSquashMLP as ConcatSquashMLP,
+    ConvField as ConvField,
+    MLPField as MLPField,
+)
+from .objectives import (
+    AbstractObjective as AbstractObjective,
     FlowMatching as FlowMatching,
+    MaximumLikelihood as MaximumLikelihood,
     conditional_path as conditional_path,
     flow_matching_loss as flow_matching_loss,
     ot_pairing as ot_pairing,
 )
-from ._multiscale import (
-    ConcatConv2d as ConcatConv2d,
-    ConvField as ConvField,
-    MultiscaleFlow as MultiscaleFlow,
-    default_n_scales as default_n_scales,
-    squeeze as squeeze,
-    unsqueeze as unsqueeze,
+from .ode import (
+    CNFArgs as CNFArgs,
+    CNFTerm as CNFTerm,
+    Regularization as Regularization,
+    SolveStats as SolveStats,
+    max_rms_norm as max_rms_norm,
+    max_rms_seminorm as max_rms_seminorm,
 )
-from ._nets import (
-    ConcatSquashLinear as ConcatSquashLinear,
-    ConcatSquashMLP as ConcatSquashMLP,
-    MLPField as MLPField,
-)
-from ._norm import max_rms_norm as max_rms_norm, max_rms_seminorm as max_rms_seminorm
-from ._objectives import (
-    AbstractObjective as AbstractObjective,
-    MaximumLikelihood as MaximumLikelihood,
-)
-from ._parallel import data_mesh as data_mesh
-from ._runs import load as load, save as save
-from ._sketch import HutchPlusPlus as HutchPlusPlus, XTrace as XTrace
-from ._standardized import (
-    Standardization as Standardization,
-    StandardizedFlow as StandardizedFlow,
-)
-from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm
-from ._trace import trace as trace
-from ._train import Checkpoints as Checkpoints, Validation as Validation, fit as fit
-from ._trainer import (
+from .runs import load as load, save as save
+from .training import (
+    NLL as NLL,
+    CheckpointError as CheckpointError,
+    Checkpoints as Checkpoints,
     Trainer as Trainer,
     TrainingError as TrainingError,
     TrainState as TrainState,
+    Validation as Validation,
+    data_mesh as data_mesh,
+    default_cache_dir as default_cache_dir,
+    enable_compilation_cache as enable_compilation_cache,
+    evaluate_nll as evaluate_nll,
+    fit as fit,
+    log_prob_batched as log_prob_batched,
+    warmup_cosine_adam as warmup_cosine_adam,
 )
 
 __version__ = "0.1.0"

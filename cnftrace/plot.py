@@ -6,15 +6,15 @@ Every function writes a PNG atomically (a killed run leaves no half-written file
 returns its path.
 """
 
+import io
 import os
-import tempfile
 
 import jax.numpy as jnp
 import numpy as np
 
-from ._checkpoint import _default_mode
-from ._evaluate import log_prob_batched
-from ._flow import AbstractFlow
+from ._io import atomic_write
+from .flows import AbstractFlow
+from .training import log_prob_batched
 
 
 def density_grid(
@@ -60,20 +60,12 @@ def density_grid(
 
 
 def _atomic_savefig(fig, path: str) -> None:
-    """Writes the figure to a temporary file beside `path`, then renames it, so a
-    failure never leaves a partial picture."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    suffix = os.path.splitext(path)[1] or ".png"
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=suffix, prefix=".tmp-")
-    os.close(fd)
-    try:
-        _default_mode(tmp)
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Writes the figure atomically (`atomic_write`), so a failure never leaves a
+    partial picture; its format follows `path`'s extension (PNG without one)."""
+    buffer = io.BytesIO()
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    fig.savefig(buffer, format=fmt, dpi=110, bbox_inches="tight")
+    atomic_write(path, buffer.getvalue())
 
 
 def plot_flow_2d(

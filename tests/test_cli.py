@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cnftrace
-from cnftrace._cli import main
+from cnftrace.cli import main
 from cnftrace.datasets import load_tabular
 
 TINY = ["--steps", "12", "--width", "8", "--depth", "1", "--batch-size", "64"]
@@ -79,7 +79,7 @@ def test_not_a_run_directory(tmp_path):
 
 
 def test_dataset_is_an_alias_of_data():
-    from cnftrace._cli import make_parser
+    from cnftrace.cli._main import make_parser
 
     for flag in ("--data", "--dataset"):
         args = make_parser().parse_args(
@@ -89,7 +89,7 @@ def test_dataset_is_an_alias_of_data():
 
 
 def test_per_dataset_training_defaults():
-    from cnftrace._cli import apply_recipe, make_parser
+    from cnftrace.cli._main import apply_recipe, make_parser
 
     def resolved(*argv):
         args = make_parser().parse_args(["train", "--run-dir", "x", *argv])
@@ -168,7 +168,7 @@ def test_train_with_rnode_and_learned_end_time(tmp_path, capsys):
     assert config["kinetic_energy"] == 0.1 and config["learn_t1"] is True
     # The trained end time is saved and loaded with the model.
     assert main(["eval", run, "--n", "200"]) == 0
-    from cnftrace._cli import _load_run
+    from cnftrace.cli._main import _load_run
 
     _, flow, _, _ = _load_run(run)
     assert flow.learn_t1 and 0 < float(flow.t1) != pytest.approx(0.4, abs=1e-9)

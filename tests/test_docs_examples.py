@@ -26,7 +26,7 @@ import pytest
 from _docs import NOT_RUN, PAGES, page_blocks, read, runs, shell_commands
 from conftest import release_memory
 
-from cnftrace._cli import main
+from cnftrace.cli import main
 
 
 @pytest.fixture(autouse=True)

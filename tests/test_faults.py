@@ -23,7 +23,9 @@ import optax
 import pytest
 
 import cnftrace
-from cnftrace._checkpoint import (
+from cnftrace.cli._checks import UsageError
+from cnftrace.cli._main import main, read_metrics
+from cnftrace.training._checkpoint import (
     _leaf_specs,
     checkpoint_path,
     config_mismatch,
@@ -32,9 +34,7 @@ from cnftrace._checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from cnftrace._cli import main, read_metrics
-from cnftrace._cli_checks import UsageError
-from cnftrace._lock import DirectoryLock
+from cnftrace.training._lock import DirectoryLock
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 TINY = ["--steps", "30", "--batch-size", "16", "--width", "4", "--depth", "1"]
@@ -85,7 +85,7 @@ def test_1_pruning_keeps_fresh_checkpoints_over_unreadable_newer_ones(tmp_path):
 _READER = """
 import json, os, resource, signal, sys
 import jax.numpy as jnp
-from cnftrace._checkpoint import latest_good_checkpoint
+from cnftrace.training._checkpoint import latest_good_checkpoint
 
 like = {"w": jnp.zeros(3, jnp.float32)}
 root = sys.argv[1]
@@ -296,7 +296,7 @@ def test_6_user_errors_are_one_line_with_an_exit_status(tmp_path, capsys, monkey
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    monkeypatch.setattr("cnftrace._cli._atomic_write", full)
+    monkeypatch.setattr("cnftrace.cli._main.atomic_write", full)
     _fails(train, 1, "No space left on device", capsys)
     monkeypatch.undo()
     assert os.listdir(run) == []  # not even a lock is left

@@ -18,7 +18,7 @@ import pytest
 from jax.scipy.linalg import expm
 
 import cnftrace
-from cnftrace._cli import main
+from cnftrace.cli import main
 from cnftrace.datasets import file_source, read_table, split_table, write_idx
 
 TINY = ["--steps", "2", "--width", "4", "--depth", "1", "--batch-size", "16"]

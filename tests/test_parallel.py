@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import cnftrace
-from cnftrace._checkpoint import key_to_data, load_checkpoint
-from cnftrace._cli import _load_run, main
-from cnftrace._parallel import check_batch_size, resolve_mesh
-from cnftrace._train import checkpoint_config
+from cnftrace.cli._main import _load_run, main
+from cnftrace.training._checkpoint import key_to_data, load_checkpoint
+from cnftrace.training._fit import checkpoint_config
+from cnftrace.training._parallel import check_batch_size, resolve_mesh
 
 BATCH = 32
 STEPS = 3

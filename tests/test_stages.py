@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cnftrace
-from cnftrace._stages import StageScan, scannable
+from cnftrace.ode._stages import StageScan, scannable
 
 
 def test_which_solvers_run_their_stages_as_a_scan():

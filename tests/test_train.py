@@ -239,7 +239,7 @@ def test_fit_logs_each_step_from_its_own_counters(monkeypatch):
     every record and failure check must come from that step's own counters."""
     calls, records = [], []
     monkeypatch.setattr(
-        cnftrace._train, "jitted_step_donating", _scripted_step({3, 4}, calls)
+        cnftrace.training._fit, "jitted_step_donating", _scripted_step({3, 4}, calls)
     )
     run = lambda **kw: cnftrace.fit(  # noqa: E731
         _flow(jr.key(8)), _gaussian, key=jr.key(1), batch_size=BATCH,

@@ -6,6 +6,7 @@ provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
 from ._files import (
     TABLE_FORMATS as TABLE_FORMATS,
     Table as Table,
+    file_sha256 as file_sha256,
     read_table as read_table,
     split_table as split_table,
 )
@@ -16,6 +17,7 @@ from ._known import (
     rotated_product as rotated_product,
 )
 from ._mnist import (
+    MNIST_FILES as MNIST_FILES,
     load_mnist_idx as load_mnist_idx,
     read_idx as read_idx,
     write_idx as write_idx,
@@ -40,6 +42,7 @@ from ._sources import (
     digits_from_logit as digits_from_logit,
     file_source as file_source,
     gaussian_baseline_nll as gaussian_baseline_nll,
+    mnist_root as mnist_root,
 )
 from ._toy import (
     TOY_DATASETS as TOY_DATASETS,
@@ -51,6 +54,7 @@ from ._toy import (
 from ._uci import (
     UCI_DATASETS as UCI_DATASETS,
     UCI_DIMS as UCI_DIMS,
+    UCI_FILES as UCI_FILES,
     load_uci as load_uci,
 )
 
@@ -60,6 +64,7 @@ __all__ = [
     "DIRECTORY_DATASETS",
     "LOGIT_ALPHA",
     "MARGINALS",
+    "MNIST_FILES",
     "MNIST_LEVELS",
     "DataSource",
     "KnownDensity",
@@ -69,11 +74,13 @@ __all__ = [
     "TOY_DATASETS",
     "UCI_DATASETS",
     "UCI_DIMS",
+    "UCI_FILES",
     "Splits",
     "bits_per_dim",
     "data_source",
     "dequantize",
     "digits_from_logit",
+    "file_sha256",
     "file_source",
     "gaussian_baseline_nll",
     "gaussian_mixture",
@@ -82,6 +89,7 @@ __all__ = [
     "load_tabular",
     "load_uci",
     "logit_transform",
+    "mnist_root",
     "read_idx",
     "read_table",
     "rotated_product",

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .._standardized import Standardization
+from ..flows import Standardization
 from ._files import TABLE_FORMATS, Table, read_table, split_table
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
 from ._real import (
@@ -187,7 +187,7 @@ def _images(name, splits, image_shape, n_levels, validation_rows=None):
 
 
 def _mnist(data_dir) -> DataSource:
-    images, _, test, _ = load_mnist_idx(_mnist_root(data_dir))
+    images, _, test, _ = load_mnist_idx(mnist_root(data_dir))
     cut = max(images.shape[0] - _MNIST_VALIDATION, images.shape[0] // 2)
     splits = Splits(images[:cut], images[cut:], test)
     return _images(
@@ -195,7 +195,7 @@ def _mnist(data_dir) -> DataSource:
     )
 
 
-def _mnist_root(data_dir) -> str:
+def mnist_root(data_dir) -> str:
     """`data_dir/mnist` where it holds MNIST's files, else `data_dir` itself."""
     nested = os.path.join(os.fspath(data_dir), "mnist")
     return nested if os.path.isdir(nested) else os.fspath(data_dir)

@@ -14,7 +14,7 @@ import jax
 import jax.random as jr
 
 import cnftrace
-from cnftrace import _trainer
+from cnftrace.training import _trainer
 
 
 class _Programs(logging.Handler):

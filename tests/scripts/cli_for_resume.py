@@ -7,7 +7,7 @@ it mid-run with SIGKILL however fast the machine is (the pause changes no number
 import sys
 import time
 
-import cnftrace._cli as cli
+import cnftrace.cli._main as cli
 
 
 def main():

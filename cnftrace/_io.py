@@ -1,0 +1,110 @@
+"""Reading and writing files safely: atomic writes (a temporary file, fsync, a
+rename), and reads that open only regular files, never through a link and never
+blocking on a FIFO, bounded by the file's size."""
+
+import os
+import stat
+import tempfile
+
+
+class FileKindError(OSError):
+    """A path that is not a regular file where one is read or written (a directory,
+    a link, a FIFO, ...), or a file that ended while it was being read."""
+
+
+def default_mode(path: str) -> None:
+    """mkstemp creates files private (0600); give `path` the mode of a file opened
+    normally, under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def atomic_write(path: str, data: bytes, suffix: str = "") -> None:
+    """Writes `data` to `path` by way of a temporary file beside it (fsynced) and a
+    rename, then fsyncs the directory: a crash leaves the old file or the new one,
+    never half of one. Makes the missing parent directories."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise FileKindError(
+            f"cannot write {path}: something that is not a regular file has its name "
+            "(a directory, a link, a FIFO?); move it away."
+        )
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    try:
+        default_mode(tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_regular_file(path: str, limit: int | None = None) -> bytes:
+    """The bytes of `path` if it is a regular file (not a link, FIFO, device or
+    directory), read up to its size (and at most `limit` bytes); a `FileKindError`
+    otherwise. A missing file raises `FileNotFoundError`."""
+    with open_regular(path) as (fd, size):
+        return read_exactly(fd, size if limit is None else min(size, limit), path)
+
+
+class open_regular:
+    """`with open_regular(path) as (fd, size)`: an open regular file and its size."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = None
+
+    def __enter__(self) -> tuple[int, int]:
+        path = self.path
+        check_regular(os.lstat(path).st_mode, path)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            self.fd = os.open(path, flags)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise FileKindError(f"{path} cannot be opened: {e.strerror}.") from None
+        info = os.fstat(self.fd)
+        check_regular(info.st_mode, path)  # it may have been swapped since lstat
+        return self.fd, info.st_size
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def check_regular(mode: int, path: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise FileKindError(f"{path} is {kind}, not a regular file; it is not read.")
+
+
+def read_exactly(fd: int, n: int, path: str) -> bytes:
+    chunks, left = [], n
+    while left > 0:
+        chunk = os.read(fd, min(left, 2**24))
+        if not chunk:
+            raise FileKindError(f"{path} is truncated: it ended while being read.")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,3 @@
+"""The `cnftrace` command line: train, eval, sample, plot, datasets."""
+
+from ._main import main as main

@@ -1,0 +1,225 @@
+"""The command line's data: the source a run trains on (a built-in set, a set from
+`--data-dir`, or the user's files), the figures reported beside a test NLL, the list
+of `cnftrace datasets`, and samples written to a file."""
+
+import difflib
+import io
+import os
+
+import numpy as np
+
+from .._io import atomic_write
+from ..datasets import (
+    ALL_DATASETS,
+    DIRECTORY_DATASETS,
+    MNIST_FILES,
+    TABLE_FORMATS,
+    TABULAR_DATASETS,
+    TOY_DATASETS,
+    UCI_DATASETS,
+    UCI_DIMS,
+    UCI_FILES,
+    DataSource,
+    bits_per_dim,
+    data_source,
+    file_sha256,
+    file_source,
+    gaussian_baseline_nll,
+    load_digits,
+    load_tabular,
+    mnist_root,
+    toy_entropy,
+    toy_entropy_is_exact,
+)
+from ._checks import CommandFailed, UsageError
+
+
+def score_report(source: DataSource, nll_y: float, seed: int, n: int) -> dict:
+    """The reference figures printed beside a test NLL: the true entropy of a toy
+    set, the full-covariance Gaussian baseline of a table (in the units the NLL is
+    in), bits per dimension for images."""
+    if source.kind == "toy":
+        return {"entropy": toy_entropy(source.name)}
+    test = source.test(seed, n)
+    if source.kind in ("tabular", "file"):
+        return {"gaussian_baseline_nll": gaussian_baseline_nll(source.reference, test)}
+    mean_ld = float(np.mean(source.test_log_det(seed, n)))
+    report = {"bits_per_dim": bits_per_dim(nll_y - mean_ld, source.dim, source.levels)}
+    if source.reference is not None:
+        # The same dequantised test set the flow was scored on.
+        baseline_y = gaussian_baseline_nll(source.reference, test)
+        report["gaussian_baseline_bits_per_dim"] = bits_per_dim(
+            baseline_y - mean_ld, source.dim, source.levels
+        )
+    return report
+
+
+def _is_name(data) -> bool:
+    return isinstance(data, str) and data in ALL_DATASETS + DIRECTORY_DATASETS
+
+
+def _data_error(data) -> UsageError:
+    shown = data if isinstance(data, str) else " ".join(data)
+    names = ALL_DATASETS + DIRECTORY_DATASETS
+    close = difflib.get_close_matches(shown, names, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    return UsageError(
+        f"--data {shown}: not a data set name nor a data file.{hint} Give one of "
+        f"{', '.join(names)} (the last six with "
+        f"--data-dir DIR; `cnftrace datasets` lists them), or the path of a file "
+        f"ending in {', '.join(TABLE_FORMATS)}."
+    )
+
+
+def training_source(args) -> tuple[DataSource, dict]:
+    """The data source of `cnftrace train` and the settings that pin it in the run's
+    config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
+    before anything is written."""
+    data = args.data
+    if _is_name(data):
+        directory = None
+        if data in DIRECTORY_DATASETS:
+            if args.data_dir is None:
+                raise UsageError(
+                    f"--data {data} is read from a directory: pass --data-dir DIR "
+                    "(`cnftrace datasets --data-dir DIR` lists what it finds there)."
+                )
+            directory = os.path.abspath(args.data_dir)
+        source = data_source(data, data_dir=directory)
+        return source, {"data": data, "data_file": None, "data_dir": directory}
+    paths = [data] if isinstance(data, str) else list(data)
+    for path in paths:
+        if os.path.splitext(path)[1].lower() not in TABLE_FORMATS:
+            raise _data_error(data)
+    paths = [os.path.abspath(p) for p in paths]
+    source = file_source(
+        paths,
+        columns=args.columns,
+        array=args.array,
+        val_fraction=args.val_fraction,
+        test_fraction=args.test_fraction,
+        seed=args.split_seed,
+        standardize=not args.no_standardize,
+    )
+    std = source.standardization
+    table = source.table
+    data_file = {
+        "paths": paths,
+        "sha256": list(table.sha256),
+        "rows": list(table.rows),
+        "columns": None if args.columns is None else args.columns.split(","),
+        "names": None if table.names is None else list(table.names),
+        "array": args.array,
+        "val_fraction": args.val_fraction,
+        "test_fraction": args.test_fraction,
+        "split_seed": args.split_seed,
+        "standardize": std is not None,
+        "mean": None if std is None else np.asarray(std.mean).tolist(),
+        "scale": None if std is None else np.asarray(std.scale).tolist(),
+    }
+    shown = paths[0] if len(paths) == 1 else paths
+    return source, {"data": shown, "data_file": data_file, "data_dir": None}
+
+
+def changed_files(old: dict, new: dict) -> list[str]:
+    """The files of `old["data_file"]` whose SHA-256 differs in `new["data_file"]`
+    (the same path, other bytes), as readable lines."""
+    before, now = old.get("data_file") or {}, new.get("data_file") or {}
+    found = dict(zip(now.get("paths", []), now.get("sha256", [])))
+    return [
+        f"{path} (SHA-256 {sha[:12]}... when the run began, {found[path][:12]}... now)"
+        for path, sha in zip(before.get("paths", []), before.get("sha256", []))
+        if path in found and found[path] != sha
+    ]
+
+
+def run_source(config: dict) -> DataSource:
+    """The data source of a trained run, for `eval` and `plot`: a file's rows split
+    again as in training, after checking that the file is the one trained on."""
+    data_file = config.get("data_file")
+    if data_file is None:
+        return data_source(config["data"], data_dir=config.get("data_dir"))
+    for path, sha in zip(data_file["paths"], data_file["sha256"]):
+        if not os.path.isfile(path):
+            raise CommandFailed(
+                f"the run's data file {path} is gone; put it back to evaluate or plot "
+                "the run (`cnftrace sample` and `cnftrace.load` work without it)."
+            )
+        now = file_sha256(path)
+        if now != sha:
+            raise CommandFailed(
+                f"the run's data file {path} has changed since training (SHA-256 "
+                f"{sha[:12]}... then, {now[:12]}... now), so its test split would not "
+                "be the run's. Restore the file, or train a new run on it."
+            )
+    return file_source(
+        data_file["paths"],
+        columns=data_file["columns"],
+        array=data_file["array"],
+        val_fraction=data_file["val_fraction"],
+        test_fraction=data_file["test_fraction"],
+        seed=data_file["split_seed"],
+        standardize=data_file["standardize"],
+    )
+
+
+def write_samples(path: str, x: np.ndarray, names=None) -> None:
+    """Writes samples atomically as `.npy`, or as `.csv`/`.tsv` (one row per sample,
+    flattened, under a header of the data's column names where known)."""
+    ext = os.path.splitext(path)[1].lower()
+    buffer = io.BytesIO()
+    if ext == ".npy":
+        np.save(buffer, x)
+    else:
+        rows = x.reshape(x.shape[0], -1)
+        header = ""
+        if names is not None and len(names) == rows.shape[1]:
+            header = _DELIMITER[ext].join(names)
+        text = io.StringIO()
+        digits = 17 if rows.dtype == np.float64 else 9  # enough to read back exactly
+        np.savetxt(
+            text, rows, fmt=f"%.{digits}g", delimiter=_DELIMITER[ext],
+            header=header, comments="",
+        )  # fmt: skip
+        buffer.write(text.getvalue().encode())
+    atomic_write(path, buffer.getvalue())
+
+
+_DELIMITER = {".csv": ",", ".tsv": "\t"}
+
+
+def list_datasets(data_dir: str | None) -> list[tuple[str, ...]]:
+    """The rows of `cnftrace datasets`: name, dimension, size, entropy and what it
+    is, for every built-in set and, with `data_dir`, the sets found there."""
+    rows = []
+    for name in TOY_DATASETS:
+        kind = "exact" if toy_entropy_is_exact(name) else "numerical estimate"
+        rows.append(
+            (name, "2", "unlimited", f"{toy_entropy(name):.4f}", f"toy 2-D ({kind})")
+        )
+    for name in TABULAR_DATASETS:
+        splits = load_tabular(name)
+        n = sum(len(s) for s in splits)
+        dim = splits.train.shape[1]
+        rows.append((name, str(dim), str(n), "-", "scikit-learn table, standardised"))
+    n = sum(len(s) for s in load_digits())
+    rows.append(("digits", "64", str(n), "-", "scikit-learn 8x8 digits, 17 levels"))
+    if data_dir is None:
+        return rows
+    for name in UCI_DATASETS:
+        missing = [p for p in _uci_files(data_dir, name) if not os.path.isfile(p)]
+        status = f"missing {missing[0]}" if missing else "found"
+        rows.append((name, str(UCI_DIMS[name]), "-", "-", f"MAF's UCI set: {status}"))
+    root = mnist_root(data_dir)
+    missing = [
+        os.path.join(root, f)
+        for f in MNIST_FILES
+        if not any(os.path.isfile(os.path.join(root, f + gz)) for gz in ("", ".gz"))
+    ]
+    status = f"missing {missing[0]}" if missing else f"found in {root}"
+    rows.append(("mnist", "784", "-", "-", f"MNIST IDX files: {status}"))
+    return rows
+
+
+def _uci_files(data_dir: str, name: str) -> list[str]:
+    return [os.path.join(data_dir, *parts) for parts in UCI_FILES[name]]

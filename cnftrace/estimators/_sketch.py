@@ -1,0 +1,395 @@
+"""Sketch-based trace estimators: Hutch++ and XTrace.
+
+Both spend part of a budget of matrix-vector products on a sketch `Q`, an orthonormal
+basis of `A Omega` for random test vectors `Omega`, take the trace of `A` on `span(Q)`
+exactly and estimate only the remainder with Hutchinson probes. When `A` has a few
+large eigenvalues (or singular values) and a small tail, the remainder is small and
+so is the variance, far below that of [`Hutchinson`][cnftrace.Hutchinson] at the same
+cost. On a flat spectrum the sketch captures little and they are noisier than
+Hutchinson, which spends its whole budget on probes.
+
+- Hutch++ (Meyer, Musco, Musco and Woodruff, 2021): one sketch, one set of probes.
+- XTrace (Epperly, Tropp and Webber, 2024): every test vector is used both for the
+    sketch and as a probe, with the sketch of the *other* vectors (leave one out), and
+    the `m` resulting unbiased estimates are averaged.
+
+Both reduce to one function of a batched matrix-vector product
+`mv: (k, n) -> (k, n)` acting on rows, shared by [`cnftrace.trace`][cnftrace.trace]
+(on a lineax operator) and `estimate` (on a Jacobian, through `jax.linearize`).
+Only real operators are supported.
+"""
+
+import abc
+import math
+from collections.abc import Callable
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from .._checks import is_int
+from ._base import AbstractEstimator
+from ._hutchinson import Hutchinson
+
+_SAMPLERS = ("rademacher", "gaussian")
+
+BatchedMatvec = Callable[[Float[Array, "k n"]], Float[Array, "k n"]]
+"""`mv(V)` returns the rows `A v` for the rows `v` of `V`."""
+
+
+def _checked(
+    num_matvecs, sampler, *, multiple: int, minimum: int, name: str
+) -> tuple[int, str]:
+    """Validates an estimator's `num_matvecs` and `sampler` and returns them."""
+    # Checked before assignment: a JAX array must never become a static field.
+    if not is_int(num_matvecs):
+        raise ValueError(
+            f"`num_matvecs` of `{name}` must be a Python int (it fixes array shapes, "
+            "so it cannot be a JAX array or a float); got "
+            f"{num_matvecs!r} of type {type(num_matvecs).__name__}. "
+            f"Use e.g. `{name}(num_matvecs={2 * minimum})`."
+        )
+    if num_matvecs < minimum or num_matvecs % multiple != 0:
+        lower = max(minimum, multiple * (num_matvecs // multiple))
+        raise ValueError(
+            f"`num_matvecs` of `{name}` must be a multiple of {multiple} and at "
+            f"least {minimum}; got {num_matvecs}. Use e.g. `num_matvecs={lower}`."
+        )
+    if sampler not in _SAMPLERS:
+        raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
+    return num_matvecs, sampler
+
+
+def _hutchpp_trace(mv: BatchedMatvec, probes: Float[Array, "2k n"]) -> Array:
+    """Hutch++ from `2k` random vectors: the first `k` sketch, the last `k` probe."""
+    k = probes.shape[0] // 2
+    sketch, g = probes[:k], probes[k:]
+    q, _ = jnp.linalg.qr(mv(sketch).T)  # (n, k), orthonormal columns
+    g_perp = g - (g @ q) @ q.T  # rows (I - Q Q^T) g_j
+    # Second round, batched: A Q for the exact part, A (I - QQ^T) G for the rest.
+    out = mv(jnp.concatenate([q.T, g_perp]))
+    exact_part = jnp.sum(q.T * out[:k])  # tr(Q^T A Q)
+    residual = jnp.sum(g_perp * out[k:]) / k
+    return exact_part + residual
+
+
+def _inverse_rows(r: Float[Array, "m m"]) -> Float[Array, "m m"]:
+    """`R^{-1}` for an invertible upper-triangular `R` (entries below the diagonal are
+    ignored), by back substitution, one row at a time from the last.
+
+    Unrolled plain XLA operations (`m` is static and small), rather than LAPACK's
+    `trsm` or a loop primitive: see `_xtrace_trace`.
+    """
+    m = r.shape[0]
+    eye = jnp.eye(m, dtype=r.dtype)
+    inverse = jnp.zeros_like(r)
+    for i in reversed(range(m)):  # rows below i are done, rows i and above are zero
+        inverse = inverse.at[i].set((eye[i] - r[i] @ inverse) / r[i, i])
+    return inverse
+
+
+def _leave_one_out_projectors(r: Float[Array, "m m"]) -> Float[Array, "m m m"]:
+    """For each `i`, the projector `M_i` onto the span of the columns of `R` but the
+    `i`-th, in the coordinates of `Q`: then `Q M_i Q^T` projects onto the span of `Y`
+    without `y_i`, which does not depend on the `i`-th test vector.
+
+    For an invertible `R`, `M_i = I - s_i s_i^T` with `s_i` the normalised `i`-th column
+    of `R^{-T}` (orthogonal to every column of `R` but the `i`-th). If `R` is singular
+    (a diagonal entry below `m eps max|R_jj|`), the columns of `R` without the `i`-th
+    may span fewer than `m - 1` dimensions; then `M_i` comes from their singular
+    vectors, keeping singular values above that threshold.
+    """
+    m = r.shape[0]
+    # Neither construction changes when R is scaled: make max|R_jj| = 1.
+    scale = jax.lax.stop_gradient(jnp.max(jnp.abs(jnp.diagonal(r))))
+    r = r / jnp.where(scale > 0, scale, 1)
+    tol = m * jnp.finfo(r.dtype).eps
+    diag = jnp.diagonal(r)
+    singular = jnp.any(jnp.abs(diag) < tol)
+
+    # Invertible R. (Tiny diagonal entries are lifted so that this branch stays finite
+    # where it is not selected.)
+    lift = jnp.where(diag < 0, -tol, tol) - diag
+    s = _inverse_rows(r + jnp.diag(jnp.where(jnp.abs(diag) < tol, lift, 0))).T
+    s = s / jax.lax.stop_gradient(jnp.max(jnp.abs(s), axis=0, keepdims=True))
+    s = s / jnp.linalg.norm(s, axis=0, keepdims=True)
+    invertible = jnp.eye(m, dtype=r.dtype)[None] - jnp.einsum("ai,bi->iab", s, s)
+
+    # Singular R. Where it is not selected it gets a harmless input instead, so that its
+    # derivative is finite (and multiplied by zero).
+    harmless = jnp.diag(jnp.arange(1, m + 1, dtype=r.dtype))
+    others = np.array([[j for j in range(m) if j != i] for i in range(m)])
+    r_others = jnp.moveaxis(jnp.where(singular, r, harmless)[:, others], 1, 0)
+    u, sv, _ = jnp.linalg.svd(r_others, full_matrices=False)
+    kept = (sv > tol).astype(r.dtype)
+    rank_deficient = jnp.einsum("iak,ik,ibk->iab", u, kept, u)
+    return jnp.where(singular, rank_deficient, invertible)
+
+
+def _xtrace_trace(mv: BatchedMatvec, omega: Float[Array, "m n"]) -> Array:
+    """XTrace from `m` test vectors (rows of `omega`), with `2m` matvecs."""
+    y = mv(omega)  # rows y_i = A w_i
+    q, _ = jnp.linalg.qr(y.T)  # Y = Q R, Q (n, m)
+    # R = Q^T Y, recomputed from Q rather than taken from the QR decomposition, so
+    # that the SVD below depends on Q. On CPU, jaxlib's batched LAPACK kernels wait
+    # inside XLA's thread pool for work they queue on it, so two of them running at
+    # once (here the SVD and the kernel that forms Q) can deadlock a 2-core machine
+    # (jaxlib 0.10.2). For the same reason R^{-1} is computed with neither LAPACK nor
+    # a loop primitive (whose thunk also waits in the pool) beside the SVD.
+    r = q.T @ y.T
+    z = mv(q.T)  # rows A q_j, i.e. z = Z^T with Z = A Q
+    h = q.T @ z.T  # H = Q^T A Q
+    proj = _leave_one_out_projectors(r)  # P_i = Q proj[i] Q^T
+    w = q.T @ omega.T  # column i: Q^T w_i
+    t = z @ omega.T  # column i: Z^T w_i = Q^T A^T w_i
+    u = jnp.einsum("iab,bi->ia", proj, w)  # row i: Q^T P_i w_i
+    # Per i: tr(P_i A P_i) + w_i^T (I - P_i) A (I - P_i) w_i, in Q-coordinates:
+    # w^T A w - w^T P A w - w^T A P w + w^T P A P w.
+    projected_trace = jnp.einsum("iab,ba->i", proj, h)
+    residual = (
+        jnp.sum(omega * y, axis=1)
+        - jnp.sum(u * r.T, axis=1)
+        - jnp.sum(u * t.T, axis=1)
+        + jnp.einsum("ia,ab,ib->i", u, h, u)
+    )
+    return jnp.mean(projected_trace + residual)
+
+
+class AbstractSketchEstimator(AbstractEstimator):
+    """Base class of the estimators that need only a batched matrix-vector product.
+
+    Subclasses say how many random vectors one estimate draws (`num_vectors`) and how
+    many columns the sketch has (`sketch_size`, at most the operator's size), and
+    compute the estimate from a batched `mv` (`_trace`). Here, `draw` checks the
+    operator's size and draws the vectors, `trace_of_matvec` checks them and calls
+    `_trace`, and `estimate` runs it on the Jacobian of `fn`.
+    """
+
+    stochastic: ClassVar[bool] = True
+    num_matvecs: eqx.AbstractVar[int]
+    sampler: eqx.AbstractVar[str]
+
+    @property
+    @abc.abstractmethod
+    def num_vectors(self) -> int:
+        """How many random vectors of the operator's size one estimate draws."""
+
+    @property
+    @abc.abstractmethod
+    def sketch_size(self) -> int:
+        """The number of columns of the sketch; the operator's size must be at least
+        this."""
+
+    @abc.abstractmethod
+    def _trace(self, mv: BatchedMatvec, probes: Float[Array, "v n"]) -> Array:
+        """The estimate, for already checked probes."""
+
+    def _check_size(self, size: int) -> None:
+        if self.sketch_size > size:
+            raise ValueError(
+                f"`num_matvecs={self.num_matvecs}` is too large for an operator of "
+                f"size {size}: `{type(self).__name__}` would sketch "
+                f"{self.sketch_size} vectors in a space of dimension {size}. Use "
+                f"`cnftrace.Exact()`, which costs {size} matrix-vector products and is "
+                "exact, or a smaller `num_matvecs`."
+            )
+
+    def draw(self, key, shape, dtype, *, event_ndim: int = 1):
+        if key is None:
+            raise ValueError(
+                f"`{type(self).__name__}` draws random test vectors and needs a PRNG "
+                "key; pass `key=jax.random.key(seed)`, or use `cnftrace.Exact()` for "
+                "the exact trace."
+            )
+        shape = tuple(shape)
+        self._check_size(math.prod(shape[len(shape) - event_ndim :]))
+        # The same distributions as Hutchinson's probes, `num_vectors` per sample.
+        probes = Hutchinson(self.num_vectors, self.sampler)
+        return probes.draw(key, shape, dtype, event_ndim=event_ndim)
+
+    def trace_of_matvec(
+        self, mv: BatchedMatvec, probes: Float[Array, "v n"]
+    ) -> Float[Array, ""]:
+        """The trace estimate of the real `n x n` matrix `A` given by `mv`.
+
+        **Arguments:**
+
+        - `mv`: a batched matrix-vector product, `mv(V)[j] = A V[j]` for `V` of
+            shape `(k, n)`. It is called twice (two rounds of products).
+        - `probes`: the random vectors, shape `(num_vectors, n)`, from
+            [`draw`][cnftrace.AbstractEstimator.draw] with `shape=(n,)`.
+
+        **Returns:**
+
+        A scalar, differentiable with respect to whatever `mv` closes over.
+        """
+        if probes.ndim != 2 or probes.shape[0] != self.num_vectors:
+            raise ValueError(
+                f"`probes` must have shape (num_vectors, n) = ({self.num_vectors}, n) "
+                f"for `{type(self).__name__}(num_matvecs={self.num_matvecs})`; got "
+                f"{probes.shape}. Draw them with `draw(key, (n,), dtype)`."
+            )
+        if not jnp.issubdtype(probes.dtype, jnp.floating):
+            raise TypeError(
+                f"`{type(self).__name__}` supports real operators only; got probes "
+                f"of dtype {probes.dtype}. Use `cnftrace.Hutchinson` for complex ones."
+            )
+        self._check_size(probes.shape[1])
+        return self._trace(mv, probes)
+
+    def estimate(self, fn, y, probes):
+        expected = (self.num_vectors,) + y.shape
+        if probes is None or probes.shape != expected:
+            got = None if probes is None else probes.shape
+            raise ValueError(
+                f"`{type(self).__name__}.estimate` needs probes of shape {expected} "
+                f"for a state of shape {y.shape}; got {got}. Draw them with "
+                f"`{type(self).__name__}.draw`."
+            )
+        if not jnp.issubdtype(y.dtype, jnp.floating):
+            raise TypeError(
+                f"`{type(self).__name__}` supports real states only; got dtype "
+                f"{y.dtype}. Use `cnftrace.Hutchinson` for complex ones."
+            )
+        # One primal pass; the linear map is then applied in two batched rounds.
+        fy, jvp = jax.linearize(fn, y)
+
+        def mv(vs):
+            return jax.vmap(lambda v: jvp(v.reshape(y.shape)).reshape(-1))(vs)
+
+        return fy, self.trace_of_matvec(mv, probes.reshape(self.num_vectors, -1))
+
+
+class HutchPlusPlus(AbstractSketchEstimator):
+    """Hutch++: the trace on a random sketch, exactly, plus Hutchinson on the rest.
+
+    With `k = num_matvecs / 3`, it takes `Q`, an orthonormal basis of `A S` for `k`
+    random vectors `S`, and `k` further probes `G`, and returns
+
+        tr(Q^T A Q) + (1/k) sum_j g_j^T (I - QQ^T) A (I - QQ^T) g_j,
+
+    at a cost of `3k` products with `A` (`A S`, then `A Q` and `A (I - QQ^T) G`
+    together). It is unbiased for any square real `A` (symmetric or not) and exact
+    when `rank(A) <= k`. For a positive semi-definite `A` its standard deviation falls
+    like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.), and it is lowest
+    when the spectrum decays fast. On a flat spectrum it is noisier than Hutchinson
+    with the same budget, which spends all of it on probes.
+
+    **Arguments:**
+
+    - `num_matvecs`: the budget of matrix-vector products, a static Python `int`, a
+        multiple of 3, at least 3, and at most three times the operator's size.
+    - `sampler`: `"gaussian"` (default) or `"rademacher"`, for both `S` and `G`.
+        Gaussian sketches have full rank with probability one; Rademacher vectors of
+        a small operator coincide (up to sign) with probability about
+        `k^2 2^-n`, and such a draw has no gradient.
+
+    [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample:
+    the sketch, then the probes. Gradients need `A S` of full column rank (JAX
+    differentiates the QR decomposition through `R^{-1}`).
+
+    !!! example
+
+        ```python
+        a = jnp.diag(2.0 ** -jnp.arange(30))  # a fast-decaying spectrum
+        op = lineax.MatrixLinearOperator(a)
+        est = cnftrace.HutchPlusPlus(num_matvecs=12)
+        cnftrace.trace(op, estimator=est, key=jr.key(0))  # close to 2
+        ```
+    """
+
+    num_matvecs: int = eqx.field(static=True)
+    sampler: Literal["rademacher", "gaussian"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_matvecs: int,
+        sampler: Literal["rademacher", "gaussian"] = "gaussian",
+    ):
+        self.num_matvecs, self.sampler = _checked(
+            num_matvecs, sampler, multiple=3, minimum=3, name="HutchPlusPlus"
+        )
+
+    @property
+    def num_vectors(self) -> int:
+        return 2 * (self.num_matvecs // 3)
+
+    @property
+    def sketch_size(self) -> int:
+        return self.num_matvecs // 3
+
+    def _trace(self, mv, probes):
+        return _hutchpp_trace(mv, probes)
+
+
+class XTrace(AbstractSketchEstimator):
+    """XTrace: every test vector sketches and probes, leaving itself out of the sketch.
+
+    With `m = num_matvecs / 2` test vectors `w_1..w_m`, it computes `Y = A W = QR` and
+    `Z = A Q` (`2m` products). For each `i`, `P_i` projects onto the span of `Y`
+    without its column `i`, which does not depend on `w_i`, so
+
+        tr(P_i A P_i) + w_i^T (I - P_i) A (I - P_i) w_i
+
+    is an unbiased estimate; XTrace returns their mean. All `m` projectors come from
+    the one QR decomposition: `P_i = Q (I - s_i s_i^T) Q^T` with `s_i` the normalised
+    `i`-th column of `R^{-T}`. It is unbiased for any square real `A`, exact when
+    `rank(A) <= m - 1`, and usually has a lower variance than Hutch++ at the same
+    budget since each vector serves twice.
+
+    **Arguments:**
+
+    - `num_matvecs`: the budget of matrix-vector products, a static Python `int`,
+        even, at least 4, and at most twice the operator's size (`m` test vectors
+        must be linearly independent).
+    - `sampler`: `"gaussian"` (default) or `"rademacher"` (see
+        [`HutchPlusPlus`][cnftrace.HutchPlusPlus] on the choice).
+
+    A rank-deficient `A W` (an operator of rank below `m`, or Rademacher vectors that
+    happen to be linearly dependent) makes `R` singular. Such a draw is detected (a
+    diagonal entry of `R` below `m * eps * max|R_jj|`) and each `P_i` is then built
+    from the singular vectors of `R` without its `i`-th column, so that it still
+    projects onto the span of the other sketch vectors alone: the estimate stays
+    finite and unbiased, and is exact when those span the range of `A` (always, for
+    Gaussian vectors and an operator of rank at most `m - 1`). Gradients need `A W` of
+    full column rank (JAX differentiates the QR decomposition through `R^{-1}`), which
+    holds with probability one for Gaussian vectors and an operator of rank at least
+    `m`.
+
+    !!! example
+
+        ```python
+        a = jnp.diag(2.0 ** -jnp.arange(30))
+        op = lineax.MatrixLinearOperator(a)
+        cnftrace.trace(op, estimator=cnftrace.XTrace(12), key=jr.key(0))
+        # In a CNF: the divergence of its vector field, 8 products per evaluation.
+        field = cnftrace.ConcatSquashMLP(16, width=32, depth=2, key=jr.key(1))
+        flow = cnftrace.CNF(field, dim=16, estimator=cnftrace.XTrace(8))
+        ```
+    """
+
+    num_matvecs: int = eqx.field(static=True)
+    sampler: Literal["rademacher", "gaussian"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_matvecs: int,
+        sampler: Literal["rademacher", "gaussian"] = "gaussian",
+    ):
+        self.num_matvecs, self.sampler = _checked(
+            num_matvecs, sampler, multiple=2, minimum=4, name="XTrace"
+        )
+
+    @property
+    def num_vectors(self) -> int:
+        return self.num_matvecs // 2
+
+    @property
+    def sketch_size(self) -> int:
+        return self.num_matvecs // 2
+
+    def _trace(self, mv, probes):
+        return _xtrace_trace(mv, probes)

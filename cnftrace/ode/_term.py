@@ -1,0 +1,292 @@
+"""A diffrax term for the instantaneous change of variables.
+
+For `dz/dt = f(t, z, args)`, the log-density along a trajectory changes as
+`d log p(z(t)) / dt = -tr(df/dz)` (Chen et al. 2018). `CNFTerm` augments any per-sample
+vector field `f` with that second component, for a batch of samples at once.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from diffrax import ODETerm
+from jaxtyping import Array, Float, PyTree
+
+from .._custom_types import Key, VectorField
+from ..estimators import AbstractEstimator, Exact
+
+
+class CNFArgs(eqx.Module):
+    """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`: the user's own
+    `args` for the vector field, and the probes drawn for this solve.
+
+    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args] rather than by
+    hand; its fields are:
+
+    - `args`: the vector field's own `args`, the same for every sample.
+    - `probes`: the probes drawn for this solve, shape `(*batch, num_probes,
+        *event)`, or `None` for deterministic estimators.
+    - `counter`: optional, a scalar whose gradient counts the backpropagated
+        evaluations of the term (see [`make_args`][cnftrace.CNFTerm.make_args]).
+    - `context`: optional, one context per sample (leading axes = the batch axes),
+        passed to the vector field of each sample as its `args` in place of `args`.
+
+    !!! example
+
+        ```python
+        term = cnftrace.CNFTerm(lambda t, z, args: -z, estimator=cnftrace.Hutchinson())
+        args = term.make_args(jnp.ones((5, 2)), key=jr.key(0))
+        print(args.probes.shape)  # (5, 1, 2): one probe per sample
+        ```
+    """
+
+    args: PyTree[Any]
+    probes: Array | None
+    counter: Float[Array, ""] | None = None
+    context: Array | None = None
+
+
+def _count_vjps(fn: Callable, counter: Array, *inputs):
+    """`fn(*inputs)`, whose reverse-mode derivative adds exactly 1 to the cotangent of
+    `counter` each time it is backpropagated through, and is otherwise `fn`'s own.
+
+    The gradient of a loss with respect to `counter` is then the number of
+    evaluations of `fn` that reverse mode went through: for discrete adjoints
+    (`RecursiveCheckpointAdjoint`, `DirectAdjoint`) the backward pass's vector-field
+    VJPs. (`BacksolveAdjoint` integrates cotangents instead of summing them, so there
+    the gradient is not a count.)
+    """
+    diff, static = eqx.partition(inputs, eqx.is_array)
+
+    @jax.custom_vjp
+    def counted(counter, diff):
+        del counter
+        return fn(*eqx.combine(diff, static))
+
+    def counted_fwd(counter, diff):
+        out, pullback = jax.vjp(lambda d: fn(*eqx.combine(d, static)), diff)
+        return out, (pullback, counter)
+
+    def counted_bwd(residuals, ct_out):
+        pullback, counter = residuals
+        (ct_diff,) = pullback(ct_out)
+        return jnp.ones_like(counter), ct_diff
+
+    counted.defvjp(counted_fwd, counted_bwd)
+    return counted(counter, diff)
+
+
+def checked_output(dz, z):
+    """The vector field's output `dz` for one sample `z`, checked (when traced, at no
+    run-time cost): an array of `z`'s shape and a floating dtype."""
+    shape = getattr(dz, "shape", None)
+    if shape is None or not hasattr(dz, "dtype"):
+        raise TypeError(
+            "the vector field must return an array, dz/dt for the sample; it "
+            f"returned {type(dz).__name__}."
+        )
+    if tuple(shape) != tuple(z.shape):
+        raise ValueError(
+            f"the vector field returned shape {tuple(shape)} for a sample of shape "
+            f"{tuple(z.shape)}; it must return dz/dt, of the sample's shape (does its "
+            "output size match the flow's `dim`?)."
+        )
+    if not jnp.issubdtype(dz.dtype, jnp.floating):
+        raise TypeError(
+            f"the vector field returned dtype {dz.dtype}; it must return floating "
+            f"dz/dt (the sample's dtype is {z.dtype})."
+        )
+    return dz
+
+
+def _vmap_n(fn, n: int, in_axes):
+    for _ in range(n):
+        fn = jax.vmap(fn, in_axes=in_axes)
+    return fn
+
+
+class CNFTerm(ODETerm):
+    r"""Wraps a per-sample vector field into the augmented CNF dynamics.
+
+    The state is `(z, delta_logp)`, with `z` of shape `(*batch, *event)` and
+    `delta_logp` of shape `(*batch,)`. The term's vector field is
+
+    $$\frac{dz}{dt} = f(t, z, \text{args}),\qquad
+    \frac{d\,\delta\log p}{dt} = -\operatorname{tr}\frac{\partial f}{\partial z},$$
+
+    applied to every sample of the batch, with the trace from `estimator`. So
+    `delta_logp(t1) = log p_t1(z(t1)) - log p_t0(z(t0))`.
+
+    With `regularize=True` the state gains RNODE's two integrals (Finlay et al. 2020),
+    `(z, delta_logp, kinetic, jacobian)`, each of shape `(*batch,)`:
+
+    $$\frac{d\,\text{kinetic}}{dt} = \lVert f \rVert^2,\qquad
+    \frac{d\,\text{jacobian}}{dt} = \lVert \partial f/\partial z \rVert_F^2,$$
+
+    the Frobenius norm estimated from the *same* probes and Jacobian-vector products
+    as the divergence (`|J eps|^2`, exact with [`Exact`][cnftrace.Exact]), so they cost
+    no extra evaluations of `f`. Leave them out of the step-size control, e.g.
+    `norm=lambda y: cnftrace.max_rms_norm(y[:2])`, so that the solve takes the same
+    steps as without them.
+
+    Probes are part of the solve's `args` (see
+    [`make_args`][cnftrace.CNFTerm.make_args]): they are drawn once per solve and
+    reused at every evaluation, so the ODE stays deterministic and adaptive solvers
+    keep their step counts. The term works with any diffrax solver, step-size
+    controller and adjoint. It is a `diffrax.ODETerm`, so solvers that ask for an ODE
+    term accept it.
+
+    !!! example
+
+        ```python
+        def vector_field(t, z, args):  # one sample z of shape (2,)
+            return jnp.tanh(z) * args
+
+        z0 = jr.normal(jr.key(0), (100, 2))  # a batch of 100 samples
+        term = cnftrace.CNFTerm(vector_field, estimator=cnftrace.Hutchinson())
+        args = term.make_args(z0, key=jr.key(1), args=0.5)  # probes drawn once
+        y0 = term.initial_state(z0)
+        sol = diffrax.diffeqsolve(
+            term, diffrax.Tsit5(), 0.0, 1.0, None, y0, args=args,
+            stepsize_controller=diffrax.PIDController(
+                rtol=1e-5, atol=1e-5, norm=cnftrace.max_rms_norm
+            ),
+        )
+        z1, delta_logp = sol.ys  # each with a leading axis of length 1 (t1)
+        print(z1.shape, delta_logp.shape)  # (1, 100, 2) (1, 100)
+        ```
+
+    **Arguments:**
+
+    - `vector_field`: `f(t, z, args)` for *one* sample `z` of shape `event`; returns an
+        array of the same shape.
+    - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default.
+    - `event_ndim`: how many trailing dimensions of `z` make one sample (1 for vectors
+        of shape `(d,)`, 3 for images of shape `(c, h, w)`).
+    - `regularize`: also integrate the kinetic energy and the Jacobian's squared
+        Frobenius norm.
+    """
+
+    vector_field: VectorField
+    estimator: AbstractEstimator = Exact()
+    event_ndim: int = eqx.field(default=1, static=True)
+    regularize: bool = eqx.field(default=False, static=True)
+
+    def make_args(
+        self,
+        z0: Float[Array, "..."],
+        *,
+        key: Key | None = None,
+        args=None,
+        counter: Float[Array, ""] | None = None,
+        context: Float[Array, "*batch context"] | None = None,
+    ) -> CNFArgs:
+        """Draws this solve's probes for the initial state `z0` and bundles them
+        with the vector field's own `args`. Pass the result as `diffeqsolve`'s `args`.
+
+        **Arguments:**
+
+        - `z0`: the initial state, shape `(*batch, *event)`.
+        - `key`: a PRNG key; required by stochastic estimators.
+        - `args`: the vector field's own `args`, the same for every sample.
+        - `counter`: optional, a float scalar, usually `jnp.zeros(())`, to count
+            backward evaluations: the gradient of a loss with respect to it equals the
+            number of times reverse mode backpropagates through the term's vector
+            field (the backward NFE of a discrete adjoint such as diffrax's default
+            `RecursiveCheckpointAdjoint`). Its value never changes the solution.
+        - `context`: optional, a per-sample conditioning array whose leading axes
+            are `z0`'s batch axes: each sample's vector field is then called as
+            `f(t, z_i, context_i)` (and `args` must be `None`).
+
+        **Returns:**
+
+        A [`CNFArgs`][cnftrace.CNFArgs].
+        """
+        probes = self.estimator.draw(
+            key, z0.shape, z0.dtype, event_ndim=self.event_ndim
+        )
+        batch_shape = z0.shape[: z0.ndim - self.event_ndim]
+        if context is not None:
+            if args is not None:
+                raise ValueError(
+                    "a conditional solve passes each sample's `context` to the vector "
+                    "field as its `args`; pass `args=None` (put constants in the "
+                    "vector field itself)."
+                )
+            _check_context(context, batch_shape)
+        return CNFArgs(args=args, probes=probes, counter=counter, context=context)
+
+    def initial_state(self, z0: Float[Array, "..."]) -> tuple[Float[Array, "..."], ...]:
+        """The augmented initial state for `z0` of shape `(*batch, *event)`.
+
+        **Returns:**
+
+        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`; the zeros
+        have shape `batch`.
+        """
+        batch_shape = z0.shape[: z0.ndim - self.event_ndim]
+        zeros = jnp.zeros(batch_shape, z0.dtype)
+        return (z0, zeros, zeros, zeros) if self.regularize else (z0, zeros)
+
+    def vf(self, t, y, args: CNFArgs):
+        z = y[0]
+        if not isinstance(args, CNFArgs):
+            raise TypeError(
+                "`CNFTerm` needs `args=term.make_args(z0, key=..., args=...)` in "
+                f"`diffeqsolve`; got args of type {type(args).__name__}."
+            )
+        inputs = (self, t, z, args.args, args.probes, args.context)
+        if args.counter is not None:
+            # The term itself is an input (not closed over), so that gradients reach
+            # the vector field's parameters through the custom VJP.
+            return _count_vjps(type(self)._vf, args.counter, *inputs)
+        return self._vf(*inputs[1:])
+
+    def _vf(self, t, z, user_args, probes, context):
+        def one_sample(z_i, probes_i, context_i):
+            field_args = user_args if context is None else context_i
+
+            def fn(u):
+                return checked_output(self.vector_field(t, u, field_args), u)
+
+            if not self.regularize:
+                dz, div = self.estimator.estimate(fn, z_i, probes_i)
+                return dz, -div
+            dz, div, frobenius = self.estimator.estimate_with_jacobian_norm(
+                fn, z_i, probes_i
+            )
+            return dz, -div, jnp.sum(dz**2), frobenius
+
+        batch_ndim = z.ndim - self.event_ndim
+        context_axis = None if context is None else 0
+        out = _vmap_n(one_sample, batch_ndim, (0, 0, context_axis))(z, probes, context)
+        return (out[0],) + tuple(o.astype(z.dtype) for o in out[1:])
+
+
+def _check_context(context, batch_shape: tuple[int, ...]) -> None:
+    if jnp.shape(context)[: len(batch_shape)] != batch_shape:
+        raise ValueError(
+            f"`context` must have one entry per sample (leading shape {batch_shape}); "
+            f"got shape {jnp.shape(context)}."
+        )
+
+
+class StateTerm(ODETerm):
+    """The plain dynamics `dz/dt = f(t, z, args)` for a batch of samples, used where no
+    log-density is needed (sampling and the bare forward and inverse maps).
+
+    With `per_sample_args=True`, `args` has one entry per sample (a conditional flow's
+    context) and sample `i` gets `args[i]`.
+    """
+
+    vector_field: VectorField
+    event_ndim: int = eqx.field(default=1, static=True)
+    per_sample_args: bool = eqx.field(default=False, static=True)
+
+    def vf(self, t, y, args):
+        batch_ndim = y.ndim - self.event_ndim
+        axes = (0, 0 if self.per_sample_args else None)
+        fn = lambda z_i, a: checked_output(self.vector_field(t, z_i, a), z_i)
+        return _vmap_n(fn, batch_ndim, axes)(y, args)

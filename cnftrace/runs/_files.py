@@ -1,0 +1,155 @@
+"""Saving and loading flows: a file of arrays (`save`), or the run directory of
+`cnftrace train` (`config.json` and `checkpoints/`), rebuilt from its settings."""
+
+import io
+import os
+import pathlib
+import warnings
+from typing import Any
+
+import equinox as eqx
+import jax.random as jr
+
+from .._io import FileKindError, atomic_write, read_regular_file
+from ..flows import AbstractFlow, StandardizedFlow
+from ..training import (
+    CheckpointError,
+    deserialise,
+    latest_good_checkpoint,
+    list_checkpoints,
+    read_header,
+)
+from ._build import run_flow, run_optimizer, run_standardization
+from ._config import read_config
+
+
+def save(path: str, flow: AbstractFlow) -> str:
+    """Writes the arrays of `flow` to `path` with equinox's serialisation
+    (`equinox.tree_serialise_leaves`), atomically: a temporary file, then a rename,
+    so that a crash never leaves half a file. Returns `path`.
+
+    Read it back with [`load`][cnftrace.load]`(path, like=...)`, where `like` is a
+    flow of the same architecture (built with the same settings; its values do not
+    matter).
+
+    !!! example
+
+        ```python
+        flow = cnftrace.mlp_flow(2, key=jr.key(0), width=16, depth=1)
+        cnftrace.save("flow.eqx", flow)
+        ```
+    """
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, flow)
+    atomic_write(path, buffer.getvalue())
+    return path
+
+
+def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = False):
+    """A trained flow: from a file written by [`save`][cnftrace.save], or from the
+    run directory of `cnftrace train`.
+
+    **Arguments:**
+
+    - `path`: a file written by `save` (then `like` is needed), or a run
+        directory (holding `config.json` and `checkpoints/`): the flow is rebuilt
+        from its config and given the parameters of its newest good checkpoint,
+        those with the best validation NLL where the run validated.
+    - `like`: for a file, a flow of the same architecture to load into (its values
+        do not matter).
+    - `return_info`: also return a dict with the run's `config`, the
+        checkpoint's `step` and the data `transform` (all `None` for a file).
+
+    **Returns:**
+
+    The flow, ready for `log_prob`, `sample`, ...; with `return_info`, a pair
+    `(flow, info)`. A file or checkpoint that does not fit raises
+    [`CheckpointError`][cnftrace.CheckpointError].
+
+    A run trained on the command line (`cnftrace train --run-dir runs/8g`) opens in
+    one line: `flow = cnftrace.load("runs/8g")`. A run on a data file that was
+    standardised (`cnftrace train --data points.csv`, the default) comes back as a
+    [`StandardizedFlow`][cnftrace.StandardizedFlow], so that `log_prob` and
+    `sample` work in the data's own units; `info["transform"]` is its
+    [`Standardization`][cnftrace.Standardization] (`None` where the run trained on
+    the data as it is).
+
+    !!! example
+
+        ```python
+        settings = dict(width=16, depth=1)
+        cnftrace.save("flow.eqx", cnftrace.mlp_flow(2, key=jr.key(0), **settings))
+        like = cnftrace.mlp_flow(2, key=jr.key(1), **settings)  # any values
+        flow = cnftrace.load("flow.eqx", like=like)
+        samples = flow.sample(jr.key(2), 100)
+        ```
+    """
+    if os.path.isdir(path):
+        flow, info = _load_run(path)
+    else:
+        flow = _load_file(path, like)
+        info = {"config": None, "step": None, "transform": None}
+    return (flow, info) if return_info else flow
+
+
+def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
+    if like is None:
+        raise ValueError(
+            f"{path} is a file of arrays; pass `like=`, a flow of the same "
+            "architecture to load them into (or give a run directory)."
+        )
+    if pathlib.Path(path).suffix == "":
+        path = f"{path}.eqx"  # as equinox reads it
+    try:
+        data = read_regular_file(path)
+    except FileKindError as e:
+        raise CheckpointError(str(e)) from None
+    try:
+        return deserialise(data, like, path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{path} does not hold the arrays of a flow like `like` ({e}); was it "
+            "saved from a flow of another architecture?"
+        ) from None
+
+
+def _event_shape(checkpoints: str) -> tuple[int, ...] | None:
+    """The event shape recorded in the newest readable checkpoint's header."""
+    for _, path in reversed(list_checkpoints(checkpoints)):
+        try:
+            header, _ = read_header(path)
+        except CheckpointError:
+            continue
+        shape = header.get("config", {}).get("fit.event_shape")
+        if shape is not None:
+            return tuple(shape)
+    return None
+
+
+def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
+            "with `cnftrace train --run-dir DIR`."
+        )
+    config = read_config(path)
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    shape = _event_shape(checkpoints)
+    if shape is None or len(shape) != 1:
+        raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
+    flow = run_flow(config, jr.key(config["seed"]), shape[0])
+    params, static = eqx.partition(flow, eqx.is_inexact_array)
+    opt_state = run_optimizer(config).init(params)
+    like = (params, opt_state, jr.key_data(jr.key(config["seed"])), params)
+    found = latest_good_checkpoint(
+        checkpoints, like, warn=lambda m: warnings.warn(m, stacklevel=3)
+    )
+    if found is None:
+        raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
+    step, (_, _, _, best), _ = found  # the best (or, untracked, the last)
+    flow = eqx.combine(best, static)
+    transform = run_standardization(config)
+    if transform is not None:
+        flow = StandardizedFlow(flow, transform)
+    return flow, {"config": config, "step": step, "transform": transform}

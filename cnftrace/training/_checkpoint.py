@@ -1,0 +1,407 @@
+"""Training checkpoints: equinox serialisation behind a small, checksummed header.
+
+A checkpoint file (format 2) is
+
+    cnftrace-checkpoint 2 <header bytes> <payload bytes> <sha256>\\n
+    <header: JSON>
+    <payload: what `equinox.tree_serialise_leaves` writes for the training state>
+
+The header records the step, the run's config and the shapes and dtypes of the leaves
+(plus a few small counters of the caller's); it does not grow with the step count. The
+SHA-256 covers the first line's other fields, the header and the payload, so a
+truncated, corrupted or edited file is detected before anything is loaded.
+
+Reading trusts nothing in the directory: only regular files are opened (never through
+a symlink, and never blocking on a FIFO), every read is bounded by the sizes the first
+line declares and by the file's size, the step in the header must be the one in the
+file's name, and each array record of the payload is checked against the shape and
+dtype of the leaf it will fill before equinox deserialises anything (so a payload of
+pickled objects, or of arrays of other shapes, is refused without being loaded).
+Every such failure is a `CheckpointError`: resuming skips the file, says why, and
+falls back to the previous good one.
+
+Files are written atomically (`cnftrace._io.atomic_write`). Pruning keeps the newest
+`keep` files *that load*, by their step: an unreadable file never outranks a good one,
+and the newest good file is never deleted.
+"""
+
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import stat
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._io import FileKindError, atomic_write, open_regular, read_exactly
+
+FORMAT_VERSION = 2
+_MAGIC = "cnftrace-checkpoint"
+_NAME = re.compile(r"^step_(\d{9})\.ckpt$")
+# Bounds on what a reader accepts before it has checked anything.
+_FIRST_LINE_LIMIT = 256
+_HEADER_LIMIT = 64 * 2**20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is unreadable, corrupted, or belongs to another configuration.
+
+    [`fit`][cnftrace.fit] raises it when its checkpoint directory holds a checkpoint
+    written under another `config` (the message names the differing entries), or when
+    another process is training in that directory.
+    Corrupted, truncated or edited files, files of another architecture and anything
+    that is not a regular file are reported and skipped instead: `fit` resumes from
+    the newest good one, or starts afresh.
+    [`load`][cnftrace.load] raises it for a file or run directory it cannot read.
+
+    !!! example
+
+        ```python
+        try:
+            raise cnftrace.CheckpointError("written under another config")
+        except cnftrace.CheckpointError as e:
+            print(f"cannot resume: {e}")  # start a fresh run directory instead
+        ```
+    """
+
+
+class _ConfigMismatch(CheckpointError):
+    """The checkpoint is sound but was written under another config: never skipped."""
+
+
+def _leaf_specs(tree) -> list[list]:
+    leaves = jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+    return [[list(x.shape), str(x.dtype)] for x in leaves]
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:09d}.ckpt")
+
+
+def list_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """`(step, path)` of the entries named like checkpoints in `directory`, oldest
+    first. They are only names: reading one checks what it is."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _NAME.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def _digest(first: bytes, header: bytes, payload: bytes) -> str:
+    h = hashlib.sha256(first)
+    h.update(header)
+    h.update(payload)
+    return h.hexdigest()
+
+
+def encode_checkpoint(header: dict[str, Any], payload: bytes) -> bytes:
+    """The bytes of a format-2 checkpoint file."""
+    head = json.dumps(header, sort_keys=True).encode()
+    first = f"{_MAGIC} {FORMAT_VERSION} {len(head)} {len(payload)} ".encode()
+    return first + _digest(first, head, payload).encode() + b"\n" + head + payload
+
+
+def save_checkpoint(
+    directory: str,
+    step: int,
+    state,
+    config: dict[str, Any],
+    *,
+    keep: int = 3,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """Writes `state` (a pytree of arrays and static data) as the checkpoint of `step`
+    and prunes the directory to the newest `keep` checkpoints that load (see
+    `prune`). `extra`: small JSON-serialisable values kept in the header. Returns the
+    file's path."""
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, state)
+    header = {
+        "step": int(step),
+        "config": config,
+        "leaves": _leaf_specs(state),
+        **(extra or {}),
+    }
+    path = checkpoint_path(directory, step)
+    atomic_write(path, encode_checkpoint(header, buffer.getvalue()), ".ckpt")
+    prune(directory, keep, state, config)
+    return path
+
+
+def prune(directory: str, keep: int, like, config) -> list[str]:
+    """Deletes all but the newest `keep` checkpoints that load into `like` under
+    `config`, ordered by their step, and the unreadable files older than the newest
+    of those (a newer good file has replaced them). Unreadable files newer than every
+    good one, files written under another config, and anything that is not a regular
+    file are left alone; temporary files of a killed writer are removed. Returns the
+    deleted checkpoint paths."""
+    good, bad = [], []
+    for name in os.listdir(directory):
+        # Temporary files of a writer that was killed (the caller holds the lock).
+        if name.startswith(".tmp-") and name.endswith(".ckpt"):
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+    for step, path in list_checkpoints(directory):
+        try:
+            _verified(path, like, config)
+        except _ConfigMismatch:
+            continue  # another run's: not ours to delete
+        except CheckpointError:
+            if os.path.lexists(path) and stat.S_ISREG(os.lstat(path).st_mode):
+                bad.append((step, path))
+        except FileNotFoundError:
+            continue
+        else:
+            good.append((step, path))
+    if not good:
+        return []
+    newest = good[-1][0]
+    doomed = [p for _, p in good[:-keep]] + [p for s, p in bad if s < newest]
+    for path in doomed:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+    return doomed
+
+
+def read_header(path: str) -> tuple[dict, bytes]:
+    """Reads and verifies a checkpoint file; returns `(header, payload)`. Also reads
+    format 1 (one JSON header line, the payload's SHA-256 in it)."""
+    try:
+        with open_regular(path) as (fd, size):
+            if size == 0:
+                raise CheckpointError(f"{path} is empty.")
+            start = os.read(fd, min(size, _FIRST_LINE_LIMIT))
+            if start.startswith(_MAGIC.encode() + b" "):
+                header, payload = _read_v2(fd, size, start, path)
+            elif start.startswith(b"{"):
+                header, payload = _read_v1(fd, size, start, path)
+            else:
+                raise CheckpointError(
+                    f"{path} is not a cnftrace checkpoint (bad header)."
+                )
+    except FileKindError as e:  # not a regular file, or truncated
+        raise CheckpointError(str(e)) from None
+    if not isinstance(header.get("step"), int) or "leaves" not in header:
+        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
+    match = _NAME.match(os.path.basename(path))
+    if match and int(match.group(1)) != header["step"]:
+        raise CheckpointError(
+            f"{path} says it holds step {header['step']}, but its name says "
+            f"{int(match.group(1))}: it was edited or renamed."
+        )
+    return header, payload
+
+
+def _read_v2(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
+    first, newline, rest = start.partition(b"\n")
+    fields = first.split(b" ")
+    if not newline or len(fields) != 5:
+        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad first line).")
+    try:
+        version, n_header, n_payload = (int(f) for f in fields[1:4])
+        digest = fields[4].decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(
+            f"{path} is not a cnftrace checkpoint (bad first line)."
+        ) from None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {version}; this version of cnftrace reads "
+            f"formats 1 and {FORMAT_VERSION}."
+        )
+    expected = len(first) + 1 + n_header + n_payload
+    if n_header < 0 or n_payload < 0 or n_header > _HEADER_LIMIT or size != expected:
+        raise CheckpointError(
+            f"{path} is truncated or padded: {size} bytes where its first line "
+            f"declares {expected}."
+        )
+    body = rest + read_exactly(fd, n_header + n_payload - len(rest), path)
+    head, payload = body[:n_header], body[n_header:]
+    prefix = first[: len(first) - len(fields[4])]
+    if _digest(prefix, head, payload) != digest:
+        raise CheckpointError(f"{path} is corrupted: its checksum does not match.")
+    return _json_header(head, path), payload
+
+
+def _read_v1(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
+    data = start + read_exactly(fd, min(size, _HEADER_LIMIT) - len(start), path)
+    line, newline, rest = data.partition(b"\n")
+    if not newline:
+        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
+    header = _json_header(line, path)
+    if header.get("magic") != _MAGIC or header.get("format_version") != 1:
+        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
+    n_payload = header.get("payload_bytes")
+    if not isinstance(n_payload, int) or size - len(line) - 1 != n_payload:
+        raise CheckpointError(
+            f"{path} is truncated: {size - len(line) - 1} of {n_payload} payload bytes."
+        )
+    payload = rest + read_exactly(fd, n_payload - len(rest), path)
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise CheckpointError(f"{path} is corrupted: its checksum does not match.")
+    return header, payload
+
+
+def _json_header(data: bytes, path: str) -> dict:
+    try:
+        header = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
+    return header
+
+
+def same_value(a, b) -> bool:
+    """`a == b` for config values, where NaN equals NaN (recursively)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def config_mismatch(saved: dict, current: dict) -> list[str]:
+    """The config keys whose values differ, as readable lines."""
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
+        for k in keys
+        if not same_value(saved.get(k), current.get(k))
+    ]
+
+
+def check_payload(payload: bytes, like, path: str) -> None:
+    """Checks that `payload` is what `equinox.tree_serialise_leaves` writes for a tree
+    like `like`: one NumPy array record per array leaf, of that leaf's shape and
+    dtype, and nothing else. Reads only the records' headers; raises a
+    `CheckpointError` naming the first leaf that does not fit."""
+    f = io.BytesIO(payload)
+    leaves = [x for x in jax.tree_util.tree_leaves(like) if eqx.is_array_like(x)]
+    for i, leaf in enumerate(leaves):
+        where = f"{path}: array {i + 1} of {len(leaves)}"
+        try:
+            version = np.lib.format.read_magic(f)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(f)
+        except (ValueError, EOFError, SyntaxError, TypeError):
+            raise CheckpointError(f"{where} is not a NumPy array record.") from None
+        if dtype.hasobject:
+            raise CheckpointError(
+                f"{where} holds Python objects (a pickle), not numbers; it is not read."
+            )
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            want = np.dtype(leaf.dtype)
+            # Extended dtypes (bfloat16, ...) are saved as raw bytes of their size.
+            raw = want.kind == "V" and dtype.itemsize == want.itemsize
+            same = dtype == want or raw
+            if tuple(shape) != tuple(np.shape(leaf)) or not same:
+                raise CheckpointError(
+                    f"{where} has shape {tuple(shape)} and dtype {dtype}, where this "
+                    f"model and optimiser hold shape {tuple(np.shape(leaf))} and dtype "
+                    f"{want} (was it written for another architecture?)."
+                )
+        elif tuple(shape) != ():
+            raise CheckpointError(f"{where} should be a scalar; it has shape {shape}.")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > len(payload) - f.tell():
+            raise CheckpointError(f"{where} is cut short.")
+        f.seek(nbytes, io.SEEK_CUR)
+    if f.tell() != len(payload):
+        raise CheckpointError(
+            f"{path} holds {len(payload) - f.tell()} bytes after its last array: it "
+            "was written for another model or optimiser."
+        )
+
+
+def deserialise(payload: bytes, like, path: str):
+    """`like` filled from `payload`, after `check_payload`."""
+    check_payload(payload, like, path)
+    try:
+        return eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
+    except Exception as e:  # what check_payload cannot foresee, as one message
+        raise CheckpointError(f"{path} cannot be loaded: {e}") from None
+
+
+def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
+    """Loads the checkpoint at `path` into the structure of `like`.
+
+    Raises [`CheckpointError`][cnftrace.CheckpointError] if the file is corrupted, or
+    if `config` is given and differs from the saved config (naming each mismatch).
+    Returns `(step, state)`.
+    """
+    header, payload = _verified(path, like, config)
+    return header["step"], deserialise(payload, like, path)
+
+
+def _verified(path: str, like, config) -> tuple[dict, bytes]:
+    """`(header, payload)` of a checkpoint that fits `like` and `config`, checked
+    down to every array record's shape and dtype, but not deserialised."""
+    header, payload = read_header(path)
+    if config is not None:
+        saved = header.get("config")
+        diffs = config_mismatch(saved if isinstance(saved, dict) else {}, config)
+        if diffs:
+            raise _ConfigMismatch(
+                f"{path} was written by a run with another configuration:\n  "
+                + "\n  ".join(diffs)
+                + "\nResume with the same settings, or start a new run directory."
+            )
+    if header["leaves"] != _leaf_specs(like):
+        raise CheckpointError(
+            f"{path} holds arrays of other shapes or dtypes than this model and "
+            "optimiser (was it written for another architecture?)."
+        )
+    check_payload(payload, like, path)
+    return header, payload
+
+
+def latest_good_checkpoint(directory: str, like, config=None, *, warn=print):
+    """The newest checkpoint in `directory` that loads cleanly, skipping (and
+    reporting, with the reason) every one that does not. A config mismatch is not
+    skipped: it raises. Returns `(step, state, header)` or `None` when there is no
+    usable checkpoint."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            header, payload = _verified(path, like, config)
+            state = deserialise(payload, like, path)
+        except _ConfigMismatch:
+            raise
+        except CheckpointError as e:
+            warn(f"skipping checkpoint: {e}")
+            continue
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except OSError as e:
+            warn(f"skipping checkpoint: {path} cannot be read: {e}")
+            continue
+        return header["step"], state, header
+    return None
+
+
+def key_to_data(key) -> jax.Array:
+    return jax.random.key_data(key)
+
+
+def data_to_key(data) -> jax.Array:
+    return jax.random.wrap_key_data(jnp.asarray(data))

@@ -1,0 +1,526 @@
+"""`fit`: a short loop over `Trainer`'s step, with validation, checkpoints and
+progress around it."""
+
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jaxtyping import Array, Float
+from tqdm.auto import tqdm
+
+from .._checks import check_context, check_int, check_samples
+from .._custom_types import Key
+from ..estimators import AbstractEstimator, Exact, check_estimator
+from ..flows import AbstractFlow
+from ..objectives import AbstractObjective
+from . import _history
+from ._checkpoint import (
+    CheckpointError,
+    key_to_data,
+    latest_good_checkpoint,
+    save_checkpoint,
+)
+from ._evaluate import evaluate_nll
+from ._lock import DirectoryLock
+from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
+from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
+from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
+from ._trainer import DataSource, Trainer, jitted_step_donating
+
+
+class Validation(eqx.Module):
+    """[`fit`][cnftrace.fit]'s validation settings: every `every` steps (and at the
+    end) the NLL of held-out samples is computed, and the parameters with the best
+    validation NLL are the ones `fit` returns.
+
+    **Arguments:**
+
+    - `data`: held-out samples, shape `(n, *event_shape)`.
+    - `context`: for a conditional flow, one context row per sample.
+    - `every`: steps between validations.
+    - `patience`: stop early after this many validations without improvement
+        (`None`: never).
+    - `estimator`: the trace estimator, the **exact** trace by default; a
+        stochastic one's noise is then part of the reported standard error.
+
+    !!! example
+
+        ```python
+        held_out = jr.normal(jr.key(0), (500, 2))
+        validation = cnftrace.Validation(held_out, every=50, patience=5)
+        # cnftrace.fit(flow, data, key=key, validation=validation)
+        ```
+    """
+
+    data: Float[Array, "n ..."]
+    context: Float[Array, "n context"] | None = None
+    every: int = eqx.field(default=100, static=True)
+    patience: int | None = eqx.field(default=None, static=True)
+    estimator: AbstractEstimator | None = None
+
+    def __check_init__(self):
+        check_int("every", self.every)
+        if self.patience is not None:
+            check_int("patience", self.patience)
+        if self.estimator is not None:
+            check_estimator(self.estimator)
+
+
+class Checkpoints(eqx.Module):
+    """[`fit`][cnftrace.fit]'s checkpoint settings: the model, optimiser state, step,
+    key and config are written to `directory` every `every` steps and at the end,
+    keeping the newest `keep` that load. If `directory` already holds checkpoints of
+    the same config, training resumes from the newest good one (corrupted ones, and
+    anything that is not a regular file, are reported and skipped) and continues
+    exactly as an uninterrupted run would.
+
+    The history is kept beside them, in `directory/history.jsonl` (one JSON record
+    per logged step or validation), rather than in every checkpoint: on resume it is
+    cut back to the checkpoint's step, so the history `fit` returns holds every step
+    exactly once. While `fit` runs, it holds the directory's lock (`directory/.lock`,
+    with its pid and host): a second `fit` on the same directory is refused, naming
+    the first; a lock left by a killed process is taken over.
+
+    **Arguments:**
+
+    - `directory`: where the checkpoint files go.
+    - `every`: steps between checkpoints.
+    - `keep`: how many of the newest checkpoints to keep.
+    - `config`: a JSON-serialisable dict describing the run; a checkpoint written
+        under another config is refused, naming the differences.
+
+    !!! example
+
+        ```python
+        checkpoints = cnftrace.Checkpoints("run/checkpoints", every=200, keep=2)
+        # cnftrace.fit(flow, data, key=key, checkpoints=checkpoints)
+        ```
+    """
+
+    directory: str
+    every: int = 100
+    keep: int = 3
+    config: dict[str, Any] | None = None
+
+    def __check_init__(self):
+        if not isinstance(self.directory, str):
+            raise TypeError(f"`directory` must be a str; got {self.directory!r}.")
+        check_int("every", self.every)
+        check_int("keep", self.keep)
+
+
+def checkpoint_config(
+    flow: AbstractFlow,
+    batch_size: int,
+    objective: AbstractObjective,
+    config: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The config `fit` stores in (and checks against) its checkpoints: the user's
+    `config` plus what `fit` itself knows, under `fit.`-prefixed keys."""
+    return {
+        **(config or {}),
+        "fit.batch_size": batch_size,
+        "fit.event_shape": list(flow.event_shape),
+        **objective.config(),
+    }
+
+
+def _local_copy(x):
+    """A replicated array's copy on this process's first device in its mesh."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
+
+def _params(flow: AbstractFlow):
+    return eqx.filter(flow, eqx.is_inexact_array)
+
+
+def fit(
+    flow: AbstractFlow,
+    data: DataSource,
+    *,
+    key: Key,
+    steps: int = 1000,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    objective: str | AbstractObjective = "mle",
+    optimizer: optax.GradientTransformation | None = None,
+    context: Float[Array, "n context"] | None = None,
+    validation: Validation | Float[Array, "n ..."] | None = None,
+    checkpoints: Checkpoints | str | None = None,
+    mesh: MeshSpec = None,
+    max_failures: int = 10,
+    progress: bool = True,
+    log_every: int = 1,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[AbstractFlow, dict[str, list]]:
+    """Trains `flow` by maximum likelihood (the default), flow matching, or any
+    other objective: a loop over [`Trainer`][cnftrace.Trainer]'s step.
+
+    **Arguments:**
+
+    - `flow`: any cnftrace flow: a [`CNF`][cnftrace.CNF], a
+        [`Chain`][cnftrace.Chain] or a [`MultiscaleFlow`][cnftrace.MultiscaleFlow].
+    - `data`: an array of training samples `(n, *event)`, from which batches are
+        drawn with replacement, or a function `(key, batch_size) -> batch` that
+        generates fresh samples.
+    - `key`: the PRNG key; the same key gives the same run. Step `i` uses
+        `jax.random.fold_in(key, i)` for its batch and probes, so a resumed run draws
+        exactly what an uninterrupted one would.
+    - `steps`: the total number of optimiser steps (a resumed run stops there too).
+    - `batch_size`: samples per step.
+    - `objective`: what to minimise: `"mle"` (the default), maximum likelihood
+        through the ODE solve with one Rademacher Hutchinson probe, that is
+        [`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`, which also sets the
+        training estimator and RNODE's regularisation; `"fm"`: conditional flow
+        matching, which regresses the vector field onto straight Gaussian paths with
+        no ODE solve in the step, and `"ot-fm"`, the same with minibatch
+        optimal-transport pairing (see [`FlowMatching`][cnftrace.FlowMatching]); or
+        any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
+        keeps the flow's own estimator (for evaluation).
+    - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
+    - `context`: for a conditional flow (`context_dim=...`) with array data, one
+        context row per sample of `data`. A generator for a conditional flow
+        returns `(batch, context)` pairs instead.
+    - `validation`: a [`Validation`][cnftrace.Validation] (held-out samples,
+        how often, patience, estimator), or just the held-out samples. The
+        parameters with the best validation NLL are the ones returned.
+    - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints] (directory, how often,
+        how many to keep, the run's config), or just the directory. A directory
+        holding checkpoints of the same config is resumed from.
+    - `mesh`: train data-parallel over several devices: a `jax.sharding.Mesh`
+        (e.g. [`data_mesh`][cnftrace.data_mesh]`(devices)`), or `"all"` for every
+        device in `jax.devices()`. The parameters and optimiser state are replicated
+        on every device and each batch is split over the mesh's devices, so
+        `batch_size` must be a multiple of their number; the results are those of
+        one device up to floating-point rounding, and checkpoints load on any number
+        of devices. In a multi-process run (after `jax.distributed.initialize`)
+        every process calls `fit` with the same arguments; only process 0 writes
+        checkpoints, shows progress and calls `on_log`. `None` (the default): one
+        device. See the docs' scaling page.
+    - `max_failures`: a step whose loss or gradient is not finite is skipped (the
+        model and optimiser state stay as they were) and counted; after this many
+        consecutive skipped steps training stops with a `TrainingError`.
+    - `progress`: show a progress bar.
+    - `log_every`: record the history every this many steps.
+    - `on_log`: called with each history record (a dict) as it is logged.
+
+    The host waits for the device only where something is logged, validated or
+    saved; failures (too many skipped steps, an ODE solve that failed, naming its
+    step) are raised there as a [`TrainingError`][cnftrace.TrainingError].
+
+    **Returns:**
+
+    `(flow, history)`: the trained flow and a dict of lists: `step`, `loss`, `nfe`
+    (forward evaluations per step), `nfe_backward` (backward evaluations, `-1` where
+    not counted, e.g. with `diffrax.BacksolveAdjoint`), `seconds`, `skipped`, the
+    objective's own metrics (`kinetic`, `jacobian` when regularised), and
+    `val_step`, `val_nll`, `val_stderr`.
+
+    !!! example
+
+        ```python
+        from cnftrace.datasets import toy_sample
+
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, dim=2, t1=0.5, rtol=1e-3, atol=1e-3)
+        data = lambda key, n: toy_sample("8gaussians", key, n)
+        flow, history = cnftrace.fit(
+            flow, data, key=jr.key(1), steps=5, batch_size=64, progress=False
+        )
+        print(history["loss"][-1], history["nfe"][-1])
+        ```
+    """
+    for name, value in (
+        ("steps", steps),
+        ("log_every", log_every),
+        ("max_failures", max_failures),
+    ):
+        check_int(name, value)
+    trainer = Trainer(
+        data,
+        key=key,
+        objective=objective,
+        optimizer=default_optimizer(steps) if optimizer is None else optimizer,
+        batch_size=batch_size,
+        context=context,
+        mesh=mesh,
+    )
+    state = trainer.init(flow)
+    if validation is not None and not isinstance(validation, Validation):
+        validation = Validation(validation)
+    if isinstance(checkpoints, str):
+        checkpoints = Checkpoints(checkpoints)
+    if validation is not None:
+        validation = _checked_validation(validation, flow)
+    lock = contextlib.nullcontext()
+    if checkpoints is not None and is_main_process():
+        lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
+    with lock:
+        loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
+        try:
+            return loop.run(max_failures, progress, log_every, on_log)
+        finally:
+            loop.log.close()
+
+
+def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
+    data = check_samples(validation.data, "validation", flow.event_shape)
+    context = check_context(
+        validation.context,
+        flow.context_dim,
+        data.shape[0],
+        name="validation.context",
+        broadcast=False,
+        host=True,
+    )
+    estimator = Exact() if validation.estimator is None else validation.estimator
+    return Validation(data, context, validation.every, validation.patience, estimator)
+
+
+class _Loop:
+    """`fit`'s host side: the state between steps, the history, the best
+    parameters, validation and checkpoints."""
+
+    def __init__(self, trainer, state, steps, validation, checkpoints, flow, key):
+        self.trainer, self.steps, self.key = trainer, steps, key
+        self.validation, self.checkpoints = validation, checkpoints
+        self.main_process = is_main_process()
+        self.history = _history.empty_history()
+        self.elapsed = 0.0  # seconds of training before this call (when resumed)
+        self.config = checkpoint_config(
+            flow,
+            trainer.batch_size,
+            trainer.objective,
+            None if checkpoints is None else checkpoints.config,
+        )
+        self.log = _history.Log(None)
+        best = None
+        if checkpoints is not None:
+            path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
+            state, best = self._resume(state, path)
+            if self.main_process:
+                self.log = _history.Log(path)
+        self.state = state
+        # A copy of its own: the state is donated to each step.
+        if best is None:
+            best = copy_arrays(_params(state.flow))
+        self.best = best
+
+    @functools.cached_property
+    def val_key(self):
+        """The validation keys' root (used only by stochastic validation estimators),
+        apart from the training keys `fold_in(key, step)`. Made at the first
+        validation: a run without one does not compile it before its first step."""
+        return jr.fold_in(self.key, 2**31 - 1)
+
+    def _resume(self, state: TrainState, history_path: str):
+        """`(state, best parameters)` from the newest good checkpoint of the same
+        config, or `(state, None)` when there is none. The history file is cut back
+        to the checkpoint's step (emptied without one) and read into the history."""
+        params = _params(state.flow)
+        like = (params, state.opt_state, key_to_data(self.key), params)
+        like = jax.tree_util.tree_map(_local_copy, like)
+        found = latest_good_checkpoint(self.checkpoints.directory, like, self.config)
+        # Every process must resume from the same step, or they would deadlock.
+        first_step = 0 if found is None else found[0]
+        check_same_on_all_processes(first_step, "the checkpoint step to resume from")
+        if self.main_process:
+            records = _history.truncate(history_path, first_step)
+        else:  # process 0 truncates; the others read up to the same step
+            records = _history.read_records(history_path)
+            records = _history.dedupe(r for r in records if r["step"] <= first_step)
+        if found is None:
+            return state, None
+        _, (params, opt_state, saved_key, best), header = found
+        if not np.array_equal(np.asarray(saved_key), np.asarray(key_to_data(self.key))):
+            raise CheckpointError(
+                f"the checkpoints in {self.checkpoints.directory} were written by a "
+                "run with another `key`; resuming with this key would not continue "
+                "that run. Pass the same key, or use a new checkpoint directory."
+            )
+        if not records and header.get("history"):
+            # A format-1 checkpoint carries the history in its header.
+            records = _history.records_from_history(header["history"])
+            records = [r for r in records if r["step"] <= first_step]
+            if self.main_process:
+                _history.rewrite(history_path, records)
+        self.history = _history.history_from_records(records)
+        skipped = header.get("skipped")
+        if skipped is None:  # format 1
+            skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
+        seconds = self.history["seconds"]
+        self.elapsed = header.get("seconds", seconds[-1] if seconds else 0.0)
+        _, static = eqx.partition(state.flow, eqx.is_inexact_array)
+        state = TrainState(
+            step=jnp.asarray(first_step, jnp.int32),
+            flow=eqx.combine(params, static),
+            opt_state=opt_state,
+            failures=jnp.zeros((), jnp.int32),
+            skipped=jnp.asarray(skipped, jnp.int32),
+            failed_step=jnp.zeros((), jnp.int32),
+            result=state.result,
+            bad_batch_step=jnp.zeros((), jnp.int32),
+        )
+        return self.trainer.placed(state), self.trainer.placed(best)
+
+    def run(self, max_failures, progress, log_every, on_log):
+        first_step, steps = int(self.state.step), self.steps
+        start = time.perf_counter() - self.elapsed
+        bar = tqdm(
+            range(first_step, steps),
+            initial=first_step,
+            total=steps,
+            disable=not (progress and self.main_process),
+            desc="training",
+            unit="it",
+        )
+        every = None if self.checkpoints is None else self.checkpoints.every
+        # A step that is only logged is logged once the next one has been handed to
+        # the device (from its record and a copy of its counters: its state is given
+        # to the next step), so that the host's work (the next step's dispatch, this
+        # one's record) overlaps the device's. The first and the last step, and any
+        # step that is checkpointed or validated, are dealt with at once.
+        pending = None
+
+        def finish(
+            done,
+            info,
+            counters,
+            log=True,
+            validate=False,
+            failures=max_failures,
+            report=True,
+        ):
+            """Step `done`: its record and counters fetched in one transfer, the
+            counters checked for failures, then the step logged, validated and
+            reported."""
+            info, counters = jax.device_get((info, counters))
+            raise_for_failures(counters, self.state.flow, failures)
+            if not (log or validate):
+                return
+            record = self._record(done, info, counters, start)
+            if log:
+                self._append(record)
+            if validate:
+                record = self._validate(done, record)
+            if report and self.main_process:
+                if on_log is not None:
+                    on_log(record)
+                if progress:
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.4f}",
+                        nfe=f"{record['nfe']}/{record['nfe_backward']}",
+                    )
+
+        try:
+            for i in bar:
+                done = i + 1
+                self.state, info = jitted_step_donating(self.trainer, self.state)
+                if pending is not None:
+                    last, pending = pending, None
+                    finish(*last)
+                log_now = done % log_every == 0 or done == steps
+                checkpoint_now = every is not None and (
+                    done % every == 0 or done == steps
+                )
+                validate_now = self.validation is not None and (
+                    done % self.validation.every == 0 or done == steps
+                )
+                if not (log_now or checkpoint_now or validate_now):
+                    continue
+                if not (
+                    checkpoint_now or validate_now or i == first_step or done == steps
+                ):
+                    pending = (done, info, StepCounters.copied(self.state))
+                    continue
+                # Host syncs only where something is logged, saved or validated.
+                counters = StepCounters.of(self.state)
+                finish(done, info, counters, log=log_now, validate=validate_now)
+                if checkpoint_now:
+                    self._save(done, start)
+                patience = None if self.validation is None else self.validation.patience
+                if patience is not None and self._validations_since_best() >= patience:
+                    if every is not None and not checkpoint_now:
+                        self._save(done, start)
+                    break
+        except BaseException:
+            # An interrupted run still records the step it had finished.
+            if pending is not None:
+                try:
+                    finish(*pending, failures=None, report=False)
+                except Exception:
+                    pass
+            raise
+        bar.close()
+        if self.validation is not None:
+            _, static = eqx.partition(self.state.flow, eqx.is_inexact_array)
+            return eqx.combine(self.best, static), self.history
+        return self.state.flow, self.history
+
+    def _record(self, done: int, info: dict, counters, start: float) -> dict[str, Any]:
+        """Step `done`'s record from its `info` and `counters`, on the host."""
+        record = {
+            "step": done,
+            "loss": float(info["loss"]),
+            "nfe": int(info["nfe"]),
+            "nfe_backward": int(info["nfe_backward"]),
+            "seconds": time.perf_counter() - start,
+            "skipped": int(counters.skipped),
+        }
+        extra = {k: float(v) for k, v in info.items() if k not in record}
+        extra.pop("skipped", None)
+        return record | extra
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self.history = _history.append_train(self.history, record)
+        self.log.write(record)
+
+    def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
+        model = self.state.flow
+        if self.trainer.mesh is not None:
+            # Each process evaluates on one of its own devices (the parameters
+            # are replicated, so every process gets the same numbers).
+            model = jax.tree_util.tree_map(_local_copy, model)
+        val = evaluate_nll(
+            model,
+            self.validation.data,
+            context=self.validation.context,
+            estimator=self.validation.estimator,
+            key=jr.fold_in(self.val_key, done),
+        )
+        _history.append_validation(self.history, done, val.mean, val.stderr)
+        self.log.write({"step": done, "val_nll": val.mean, "val_stderr": val.stderr})
+        if self._validations_since_best() == 0:
+            self.best = copy_arrays(_params(self.state.flow))
+        return dict(record, val_nll=val.mean, val_stderr=val.stderr)
+
+    def _validations_since_best(self) -> int:
+        nll = self.history["val_nll"]
+        return len(nll) - 1 - int(np.argmin(nll)) if nll else 0
+
+    def _save(self, done: int, start: float) -> None:
+        if not self.main_process:
+            return
+        params = _params(self.state.flow)
+        best = self.best if self.validation is not None else params
+        state = (params, self.state.opt_state, key_to_data(self.key), best)
+        self.log.sync()  # the history file covers every checkpoint
+        save_checkpoint(
+            self.checkpoints.directory,
+            done,
+            state,
+            self.config,
+            keep=self.checkpoints.keep,
+            extra={
+                "skipped": int(self.state.skipped),
+                "seconds": round(time.perf_counter() - start, 3),
+            },
+        )

@@ -1,0 +1,370 @@
+"""One training step, jitted, over a state that each step replaces.
+
+Failures travel in the state (diffrax-style): a step whose loss or gradient is not
+finite is skipped and counted, a step whose ODE solve failed freezes the state and
+records the step and diffrax's result. Nothing raises inside the compiled step;
+`Trainer.check` raises on the host, wherever the caller syncs.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jax import lax
+from jaxtyping import Array, Float, PyTree
+
+from .._checks import (
+    check_context,
+    check_event_shape,
+    check_int,
+    check_key,
+    check_samples,
+)
+from .._custom_types import Key
+from ..flows import AbstractFlow
+from ..objectives import AbstractObjective, resolve_objective
+from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
+from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
+from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
+
+DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
+
+
+def _committed(x):
+    if isinstance(x, np.ndarray):
+        x = jnp.asarray(x)
+    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
+
+
+@eqx.filter_jit
+def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
+    """A copy of `params` in buffers of its own, and the optimiser's fresh state if
+    `init`: one program (run op by op, the optimiser's `init` compiles a program for
+    each parameter shape). The copies are strongly typed (a weakly typed parameter,
+    `jnp.asarray(1.0)` say, would come out of the first update strongly typed, and
+    the step would compile again for it)."""
+    strong = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
+    params = copy_arrays(strong)  # a copy, not the caller's buffers forwarded
+    return params, optimizer.init(params) if init else None
+
+
+def _all_finite(tree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _discrete_adjoints(flow: AbstractFlow) -> bool:
+    """Whether every block differentiates its solve by backpropagating through the
+    solver's steps, so that its backward evaluations can be counted."""
+    return all(not isinstance(b.adjoint, diffrax.BacksolveAdjoint) for b in flow.blocks)
+
+
+def _as_pair(out) -> tuple[Array, Array | None]:
+    """A generator's output as `(batch, context or None)`."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+class _ArraySampler(eqx.Module):
+    """Batches drawn with replacement from the samples (and their contexts)."""
+
+    data: Array
+    context: Array | None
+
+    def __call__(self, key, batch_size):
+        """`(batch, context or None, bad)`; `bad` is `False`: the samples were
+        checked up front."""
+        idx = jr.randint(key, (batch_size,), 0, self.data.shape[0])
+        context = None if self.context is None else self.context[idx]
+        return self.data[idx], context, jnp.asarray(False)
+
+
+class _GeneratorSampler(eqx.Module):
+    """Fresh batches from `data(key, batch_size)`, checked as they come (an array is
+    checked once, up front). The check is a flag, not a host callback, so that the
+    compiled step can be stored in the persistent compilation cache: a bad batch
+    stops the step before any update, and `Trainer.check` raises for it."""
+
+    data: Callable
+
+    def __call__(self, key, batch_size):
+        batch, ctx = _as_pair(self.data(key, batch_size))
+        bad = jnp.any(~jnp.isfinite(batch))
+        if ctx is not None:
+            bad = bad | jnp.any(~jnp.isfinite(ctx))
+        return batch, ctx, bad
+
+
+class Trainer(eqx.Module):
+    """A training run's settings and its jitted step: batches from `data`, the
+    `objective`'s loss and gradient, an `optimizer` update. [`fit`][cnftrace.fit] is
+    a loop over this step; use it directly for loops of your own (a time budget,
+    say).
+
+    **Arguments:**
+
+    - `data`: an array of training samples `(n, *event)`, from which batches are
+        drawn with replacement, or a function `(key, batch_size) -> batch` (for a
+        conditional flow, `-> (batch, context)`) that generates fresh samples.
+    - `key`: the run's PRNG key. Step `i` draws its batch and its loss's randomness
+        from `jax.random.fold_in(key, i)`, so a run is reproducible and resumable.
+    - `objective`: an objective ([`MaximumLikelihood`][cnftrace.MaximumLikelihood],
+        [`FlowMatching`][cnftrace.FlowMatching], or your own
+        [`AbstractObjective`][cnftrace.AbstractObjective]), or `"mle"`, `"fm"`,
+        `"ot-fm"`.
+    - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
+    - `batch_size`: samples per step.
+    - `context`: with array data for a conditional flow, one context row per sample.
+    - `mesh`: data-parallel training, as for [`fit`][cnftrace.fit].
+
+    A step skips (leaves the parameters and optimiser state as they were, and
+    counts) an update whose loss or gradient is not finite, and freezes the state
+    at a failed ODE solve; [`check`][cnftrace.Trainer.check] raises for either on the
+    host. Updates are cast to each parameter's dtype, so that a float32 flow stays
+    float32 when float64 is enabled (an optax schedule is then float64).
+
+    !!! example
+
+        ```python
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
+        data = lambda key, n: 0.5 * jr.normal(key, (n, 2)) + 1.0
+        trainer = cnftrace.Trainer(data, key=jr.key(1), batch_size=64)
+        state = trainer.init(flow)
+        for _ in range(5):
+            state, info = trainer.step(state)
+        trainer.check(state)  # raises if a solve failed, say
+        print(int(state.step), float(info["loss"]), int(info["nfe"]))
+        trained = state.flow
+        ```
+    """
+
+    sample: _ArraySampler | _GeneratorSampler
+    objective: AbstractObjective
+    optimizer: optax.GradientTransformation
+    key: Key
+    batch_size: int = eqx.field(static=True)
+    mesh: DataParallel | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        data: DataSource,
+        *,
+        key: Key,
+        objective: str | AbstractObjective = "mle",
+        optimizer: optax.GradientTransformation | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        context: Float[Array, "n context"] | None = None,
+        mesh: MeshSpec = None,
+    ):
+        check_int("batch_size", batch_size)
+        check_key("key", key)
+        self.objective = resolve_objective(objective)
+        self.optimizer = default_optimizer(None) if optimizer is None else optimizer
+        self.batch_size = batch_size
+        self.mesh = resolve_mesh(mesh)
+        if callable(data):
+            if context is not None:
+                raise ValueError(
+                    "`context` goes with array data; a generator for a conditional "
+                    "flow returns `(batch, context)` pairs itself."
+                )
+            sample = _GeneratorSampler(data)
+        else:
+            context = None if context is None else jnp.asarray(context)
+            sample = _ArraySampler(check_samples(data, "data", None), context)
+        if self.mesh is not None:
+            check_batch_size(batch_size, self.mesh.size)
+            key = jr.wrap_key_data(self.mesh.replicate(jr.key_data(key)))
+            sample = self.mesh.replicate(sample)
+        self.key = key
+        self.sample = sample
+
+    def check_data(self, flow: AbstractFlow) -> None:
+        """Checks the data against `flow` (shapes, dtypes, contexts), so that a
+        mismatch fails here rather than inside the compiled step. A generator is
+        traced for the shapes and dtypes of a batch, not run (its values are
+        checked in every step: a batch with NaN or inf stops the step, and `check`
+        raises for it)."""
+        conditional = flow.context_dim is not None
+        if isinstance(self.sample, _GeneratorSampler):
+            what = "data(key, batch_size)"
+            first = jax.eval_shape(lambda key: self.sample.data(key, 2), self.key)
+            if conditional and not (isinstance(first, tuple) and len(first) == 2):
+                raise ValueError(
+                    f"the flow is conditional, so `{what}` must return a pair "
+                    "`(batch, context)`."
+                )
+            x, c = first if conditional else (first, None)
+            check_samples(x, what, flow.event_shape)
+            check_context(
+                c,
+                flow.context_dim,
+                2,
+                name=f"the context of {what}",
+                broadcast=False,
+                host=True,
+            )
+            return
+        n = self.sample.data.shape[0]
+        check_event_shape(self.sample.data.shape[1:], "data", flow.event_shape)
+        context = self.sample.context
+        if context is not None:
+            context = np.asarray(context)
+        check_context(context, flow.context_dim, n, broadcast=False, host=True)
+
+    def init(self, flow: AbstractFlow, *, opt_state: PyTree = None) -> TrainState:
+        """The state before the first step: checks `flow` against the data and the
+        objective, and copies its parameters (the step that `fit` runs donates its
+        buffers, so the caller's flow stays usable). `opt_state`: the optimiser's
+        state to start from (a resumed run's); a fresh one by default."""
+        self.check_data(flow)
+        self.objective.check(flow)
+        params, static = eqx.partition(flow, eqx.is_inexact_array)
+        params, fresh = _copy_and_init(params, self.optimizer, opt_state is None)
+        opt_state = fresh if opt_state is None else opt_state
+        # Distinct buffers: the step that `fit` runs donates each of them.
+        zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+        state = TrainState(
+            # Counters of one dtype whatever JAX's default integer (the update
+            # keeps them so: the step is compiled for the types it returns).
+            step=jnp.zeros((), jnp.int32),
+            flow=eqx.combine(params, static),
+            opt_state=opt_state,
+            failures=zero(),
+            skipped=zero(),
+            failed_step=zero(),
+            result=diffrax.RESULTS.successful,
+            bad_batch_step=zero(),
+        )
+        return self.placed(state)
+
+    def placed(self, state: TrainState) -> TrainState:
+        """`state` with its arrays replicated over the mesh (as is, on one
+        device)."""
+        if self.mesh is not None:
+            return self.mesh.replicate(state)
+        # The step returns JAX arrays committed to its device; a first state of
+        # NumPy leaves (diffrax's result codes) or uncommitted arrays would make the
+        # second step compile (or load) a second program.
+        return jax.tree_util.tree_map(_committed, state)
+
+    def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
+        """One training step, jitted: draws a batch and the loss's randomness from
+        `fold_in(key, state.step)`, takes the objective's value and gradient and
+        updates the parameters.
+
+        **Returns:**
+
+        `(state, info)`: the new state and a dict of scalars: `loss` (the objective's
+        recorded loss), `nfe` and `nfe_backward` (vector-field evaluations of the
+        forward and backward pass; `-1` where not counted, as with
+        `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
+        the objective's other metrics.
+        """
+        return jitted_step(self, state)
+
+    def check(self, state: TrainState, max_failures: int | None = None) -> None:
+        """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
+        solve failed, or if the last `max_failures` steps were all skipped for a
+        non-finite loss or gradient. A sync with the device."""
+        raise_for_failures(
+            jax.device_get(StepCounters.of(state)), state.flow, max_failures
+        )
+
+
+def _gradient(trainer: Trainer, flow: AbstractFlow, batch, ctx, key):
+    """The objective's gradient with respect to the flow's parameters, on `batch`
+    with the loss's randomness from `key`: `(info, grads, finite, result)`, the
+    step's record (`loss`, the objective's metrics, `nfe`, `nfe_backward`), the
+    gradient, whether the loss and the gradient are finite, and diffrax's result of
+    the solves behind it."""
+    params, static = eqx.partition(flow, eqx.is_inexact_array)
+    # The gradient with respect to `counter` counts the backward pass's evaluations
+    # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
+    counter = jnp.zeros((), batch.dtype) if _discrete_adjoints(flow) else None
+
+    def loss_fn(params, counter):
+        return trainer.objective.loss(
+            eqx.combine(params, static), batch, ctx, key, counter
+        )
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (loss, metrics), (grads, backward) = grad_fn(params, counter)
+    info = dict(metrics)
+    stats = info.pop("stats", None)
+    result = diffrax.RESULTS.successful
+    if stats is not None:
+        info.setdefault("nfe", stats.total_nfe)
+        result = stats.first_failure()
+    info.setdefault("loss", loss)
+    if "nfe_backward" not in info:
+        info["nfe_backward"] = (
+            jnp.round(backward).astype(int) if backward is not None else -1
+        )
+    info = {k: jnp.asarray(v) for k, v in info.items()}
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    return info, grads, finite, result
+
+
+def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, result):
+    """`(state, skipped)`: the state after a step whose gradient is `grads`, given
+    whether it and the loss are `finite` and the solves' `result`: the optimiser's
+    update, unless the step failed or is skipped."""
+    params, static = eqx.partition(state.flow, eqx.is_inexact_array)
+    solved = result == diffrax.RESULTS.successful
+    frozen = (state.failed_step > 0) | (state.bad_batch_step > 0)
+    ok = finite & solved & ~bad_batch & ~frozen
+
+    def apply(params, opt_state):
+        updates, opt_state = trainer.optimizer.update(grads, opt_state, params)
+        # Keep each parameter's dtype (an optax schedule is float64 under x64).
+        updates = jax.tree_util.tree_map(
+            lambda u, p: u.astype(p.dtype), updates, params
+        )
+        return eqx.apply_updates(params, updates), opt_state
+
+    keep = lambda params, opt_state: (params, opt_state)
+    params, opt_state = lax.cond(ok, apply, keep, params, state.opt_state)
+    if trainer.mesh is not None:
+        params, opt_state = trainer.mesh.keep_replicated((params, opt_state))
+    fails_now = ~solved & ~bad_batch & ~frozen
+    state = TrainState(
+        step=state.step + 1,
+        flow=eqx.combine(params, static),
+        opt_state=opt_state,
+        failures=jnp.where(ok, 0, state.failures + 1),
+        skipped=state.skipped + (~ok).astype(state.skipped.dtype),
+        failed_step=jnp.where(fails_now, state.step + 1, state.failed_step),
+        result=diffrax.RESULTS.where(fails_now, result, state.result),
+        bad_batch_step=jnp.where(
+            bad_batch & ~frozen, state.step + 1, state.bad_batch_step
+        ),
+    )
+    return state, ~ok
+
+
+def _train_step(trainer: Trainer, state: TrainState):
+    """One training step: the batch and the loss's randomness from
+    `fold_in(trainer.key, state.step)`, the objective's gradient, the update."""
+    data_key, loss_key = jr.split(jr.fold_in(trainer.key, state.step))
+    batch, ctx, bad_batch = trainer.sample(data_key, trainer.batch_size)
+    if trainer.mesh is not None:
+        # Every process draws the same global batch; each device keeps its part.
+        batch, ctx = trainer.mesh.shard_batch((batch, ctx))
+    info, grads, finite, result = _gradient(trainer, state.flow, batch, ctx, loss_key)
+    state, skipped = _update(trainer, state, bad_batch, grads, finite, result)
+    info["skipped"] = skipped
+    return state, info
+
+
+# The step as one program, traced once for each trainer's and state's static parts
+# (equinox keys its cache by them). `fit` never reuses a state, so its step takes
+# the state's buffers for the new one.
+jitted_step = eqx.filter_jit(_train_step)
+jitted_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
