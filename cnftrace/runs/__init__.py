@@ -1,0 +1,10 @@
+"""Runs: saving and loading flows, and the run directories of `cnftrace train`, whose
+settings (`config.json`) rebuild the model, its optimiser and its objective."""
+
+from ._build import (
+    run_flow as run_flow,
+    run_objective as run_objective,
+    run_optimizer as run_optimizer,
+)
+from ._config import MODEL_KEYS as MODEL_KEYS, read_config as read_config
+from ._files import load as load, save as save

@@ -1,0 +1,65 @@
+"""How a run's settings become a flow, an optimiser, an objective and the data's
+standardisation: the command line and `cnftrace.load` build them the same way."""
+
+import jax.random as jr
+import numpy as np
+
+from ..estimators import AbstractEstimator, Exact, Hutchinson
+from ..flows import AbstractFlow, Standardization, mlp_flow
+from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
+from ..training import warmup_cosine_adam
+
+
+def run_flow(config: dict, key, dim: int) -> AbstractFlow:
+    """The flow described by a run's config, for data of dimension `dim`."""
+    if config["blocks"] == 1:
+        # The command line has always drawn a single block's key by a split.
+        key = jr.split(key, 1)[0]
+    return mlp_flow(
+        dim,
+        key=key,
+        field=config["field"],
+        blocks=config["blocks"],
+        width=config["width"],
+        depth=config["depth"],
+        activation=config["activation"],
+        t1=config["t1"],
+        learn_t1=config.get("learn_t1", False),
+        solver=config["solver"],
+        rtol=config["rtol"],
+        atol=config["atol"],
+    )
+
+
+def run_standardization(config: dict) -> Standardization | None:
+    """The standardisation a run on a data file trained under, or `None`."""
+    data_file = config.get("data_file") or {}
+    if data_file.get("mean") is None:
+        return None
+    return Standardization(
+        np.asarray(data_file["mean"], np.float64),
+        np.asarray(data_file["scale"], np.float64),
+    )
+
+
+def run_optimizer(config: dict):
+    return warmup_cosine_adam(config["steps"], config["lr"], clip=config["clip"])
+
+
+def run_estimator(config: dict) -> AbstractEstimator:
+    if config["estimator"] == "exact":
+        return Exact()
+    return Hutchinson(config["num_probes"], config["estimator"])
+
+
+def run_objective(config: dict) -> AbstractObjective:
+    """`fit`'s `objective` for a run's config."""
+    if config["objective"] == "mle":
+        return MaximumLikelihood(
+            run_estimator(config),
+            config["kinetic_energy"],
+            config["jacobian_norm"],
+            tolerance=config["train_tol"],
+        )
+    coupling = "ot" if config["objective"] == "ot-fm" else "independent"
+    return FlowMatching(sigma=config["fm_sigma"], coupling=coupling)
