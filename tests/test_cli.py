@@ -89,12 +89,13 @@ def test_dataset_is_an_alias_of_data():
 
 
 def test_per_dataset_training_defaults():
-    from cnftrace.cli._main import apply_recipe, make_parser
+    from cnftrace.cli._main import make_parser
+    from cnftrace.runs import RunConfig
 
     def resolved(*argv):
         args = make_parser().parse_args(["train", "--run-dir", "x", *argv])
-        apply_recipe(args)
-        return args.steps, args.batch_size
+        config = RunConfig.from_args(args).resolved()
+        return config.steps, config.batch_size
 
     assert resolved() == (2400, 128)
     assert resolved("--dataset", "checkerboard") == (8000, 256)
@@ -168,9 +169,7 @@ def test_train_with_rnode_and_learned_end_time(tmp_path, capsys):
     assert config["kinetic_energy"] == 0.1 and config["learn_t1"] is True
     # The trained end time is saved and loaded with the model.
     assert main(["eval", run, "--n", "200"]) == 0
-    from cnftrace.cli._main import _load_run
-
-    _, flow, _, _ = _load_run(run)
+    flow = cnftrace.load(run)
     assert flow.learn_t1 and 0 < float(flow.t1) != pytest.approx(0.4, abs=1e-9)
     with pytest.raises(SystemExit, match="kinetic-energy"):
         main(["train", "--run-dir", str(tmp_path / "bad"), "--kinetic-energy", "-1"])

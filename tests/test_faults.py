@@ -23,8 +23,9 @@ import optax
 import pytest
 
 import cnftrace
+from cnftrace.cli import main
 from cnftrace.cli._checks import UsageError
-from cnftrace.cli._main import main, read_metrics
+from cnftrace.cli._commands import read_metrics
 from cnftrace.training._checkpoint import (
     _leaf_specs,
     checkpoint_path,
@@ -296,7 +297,7 @@ def test_6_user_errors_are_one_line_with_an_exit_status(tmp_path, capsys, monkey
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    monkeypatch.setattr("cnftrace.cli._main.atomic_write", full)
+    monkeypatch.setattr("cnftrace.cli._train.atomic_write", full)
     _fails(train, 1, "No space left on device", capsys)
     monkeypatch.undo()
     assert os.listdir(run) == []  # not even a lock is left

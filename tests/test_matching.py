@@ -12,7 +12,7 @@ from scipy.integrate import quad
 from scipy.optimize import linear_sum_assignment
 
 import cnftrace
-from cnftrace.cli._main import main as cli_main
+from cnftrace.cli import main as cli_main
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import cnftrace
-from cnftrace.cli._main import _load_run, main
+from cnftrace.cli import main
+from cnftrace.runs import load_run
 from cnftrace.training._checkpoint import key_to_data, load_checkpoint
 from cnftrace.training._fit import checkpoint_config
 from cnftrace.training._parallel import check_batch_size, resolve_mesh
@@ -193,8 +194,9 @@ def test_cli_trains_on_four_devices_and_loads_on_one(runs):
     )
     assert "15 or 18" in child["cli_error"]
     # The run directory written on 4 devices loads here, on one.
-    config, flow, step, _ = _load_run(os.path.join(runs["tmp"], "cli"))
-    assert step == 3 and "devices" not in config
+    run = load_run(os.path.join(runs["tmp"], "cli"))
+    flow, step = run.flow, run.step
+    assert step == 3 and "devices" not in run.config.stored()
     assert all(np.all(np.isfinite(x)) for x in _arrays(flow))
 
 

@@ -4,11 +4,12 @@ Each failure is a `UsageError` whose message names the option and the accepted r
 `cnftrace` prints it as one line and exits with status 2.
 """
 
-import math
 import os
 
 import jax
 import jax.numpy as jnp
+
+from ..runs import RunConfig
 
 
 class UsageError(Exception):
@@ -20,58 +21,23 @@ class CommandFailed(Exception):
     1)."""
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _positive(args, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise UsageError(f"{_flag(name)} must be a finite number > 0; got {value}.")
-
-
-def _at_least(args, low: int, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and value < low:
-            raise UsageError(f"{_flag(name)} must be at least {low}.")
-
-
 def check_args(args) -> None:
-    """Every numeric setting of `args` finite and in its range, and the combinations
-    of options consistent."""
-    _at_least(args, 1, "steps", "batch_size", "blocks", "width", "num_probes")
-    _at_least(args, 1, "checkpoint_every", "print_every")
-    _at_least(args, 0, "depth")
-    if args.command == "eval":
-        _at_least(args, 2, "n")  # a standard error needs two samples
-    else:
-        _at_least(args, 1, "n")
+    """Every setting of the command in range before anything runs: `train`'s by
+    `RunConfig.check`, the others' here."""
+    if args.command == "train":
+        try:
+            RunConfig.from_args(args).check()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return
+    n = getattr(args, "n", None)
+    if n is not None:
+        low = 2 if args.command == "eval" else 1  # a standard error needs two
+        if n < low:
+            raise UsageError(f"--n must be at least {low}.")
     seed = getattr(args, "seed", None)
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise UsageError(f"--seed must fit in 64 bits; got {seed}.")
-    _positive(args, "lr", "clip", "t1", "rtol", "atol")
-    for name in ("kinetic_energy", "jacobian_norm"):
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{_flag(name)} must be a finite weight >= 0.")
-    objective = getattr(args, "objective", "mle")
-    if objective != "mle":
-        if args.learn_t1:
-            raise UsageError(
-                f"--objective {objective} fixes the integration time; drop "
-                "--learn-t1 (or use --objective mle)."
-            )
-        if args.kinetic_energy or args.jacobian_norm:
-            raise UsageError(
-                f"--kinetic-energy and --jacobian-norm regularise --objective mle; "
-                f"drop them with --objective {objective}."
-            )
-    sigma = getattr(args, "fm_sigma", None)
-    if sigma is not None and not 0 <= sigma < 1:
-        raise UsageError(f"--fm-sigma must be in [0, 1); got {sigma}.")
-    _check_data_options(args)
     out = getattr(args, "out", None)
     if out:
         ext = os.path.splitext(out)[1].lower()
@@ -84,31 +50,6 @@ def check_args(args) -> None:
             raise UsageError(f"--out {out}: the directory {parent} does not exist.")
         if os.path.isdir(out):
             raise UsageError(f"--out {out} is a directory; give a file name (.npy).")
-
-
-def _check_data_options(args) -> None:
-    val, test = getattr(args, "val_fraction", None), getattr(args, "test_fraction", 0)
-    if val is None:
-        return
-    if not (math.isfinite(val) and 0 <= val < 1):
-        raise UsageError(f"--val-fraction must be in [0, 1); got {val}.")
-    if not (math.isfinite(test) and 0 < test < 1):
-        raise UsageError(f"--test-fraction must be in (0, 1); got {test}.")
-    if val + test >= 1:
-        raise UsageError(
-            f"--val-fraction {val} and --test-fraction {test} leave no rows to train "
-            "on; make them add up to less than 1."
-        )
-    if args.patience is not None and args.patience < 0:
-        raise UsageError("--patience must be 0 (never stop early) or more.")
-    from_file = not isinstance(args.data, str) or os.path.splitext(args.data)[1]
-    if not from_file:
-        for flag in ("columns", "array"):
-            if getattr(args, flag) is not None:
-                raise UsageError(
-                    f"--{flag} picks from a data file; --data {args.data} is a "
-                    "built-in data set."
-                )
 
 
 def check_run_dir(path: str) -> None:
@@ -139,16 +80,16 @@ def memory_limit() -> tuple[int, str]:
     return pages * page, "this machine's memory"
 
 
-def check_model_fits_in_memory(args) -> None:
+def check_model_fits_in_memory(config) -> None:
     """A `UsageError` when the model's weights alone, with Adam's two moments, cannot
     fit: at least `blocks * depth * width**2` numbers, three times."""
     itemsize = jnp.dtype(jnp.result_type(float)).itemsize
-    need = 3 * args.blocks * max(args.depth, 1) * args.width**2 * itemsize
+    need = 3 * config.blocks * max(config.depth, 1) * config.width**2 * itemsize
     limit, what = memory_limit()
     if need > limit:
         raise UsageError(
-            f"--width {args.width} cannot fit: {args.blocks} block(s) of depth "
-            f"{args.depth} need at least {need / 2**30:.3g} GiB for the weights and "
+            f"--width {config.width} cannot fit: {config.blocks} block(s) of depth "
+            f"{config.depth} need at least {need / 2**30:.3g} GiB for the weights and "
             f"the optimiser's state, more than the {limit / 2**30:.3g} GiB of {what}."
         )
 

@@ -31,6 +31,7 @@ from ..datasets import (
     toy_entropy,
     toy_entropy_is_exact,
 )
+from ..runs import RunConfig
 from ._checks import CommandFailed, UsageError
 
 
@@ -71,20 +72,20 @@ def _data_error(data) -> UsageError:
     )
 
 
-def training_source(args) -> tuple[DataSource, dict]:
+def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
     before anything is written."""
-    data = args.data
+    data = config.data
     if _is_name(data):
         directory = None
         if data in DIRECTORY_DATASETS:
-            if args.data_dir is None:
+            if config.data_dir is None:
                 raise UsageError(
                     f"--data {data} is read from a directory: pass --data-dir DIR "
                     "(`cnftrace datasets --data-dir DIR` lists what it finds there)."
                 )
-            directory = os.path.abspath(args.data_dir)
+            directory = os.path.abspath(config.data_dir)
         source = data_source(data, data_dir=directory)
         return source, {"data": data, "data_file": None, "data_dir": directory}
     paths = [data] if isinstance(data, str) else list(data)
@@ -94,12 +95,12 @@ def training_source(args) -> tuple[DataSource, dict]:
     paths = [os.path.abspath(p) for p in paths]
     source = file_source(
         paths,
-        columns=args.columns,
-        array=args.array,
-        val_fraction=args.val_fraction,
-        test_fraction=args.test_fraction,
-        seed=args.split_seed,
-        standardize=not args.no_standardize,
+        columns=config.columns,
+        array=config.array,
+        val_fraction=config.val_fraction,
+        test_fraction=config.test_fraction,
+        seed=config.split_seed,
+        standardize=not config.no_standardize,
     )
     std = source.standardization
     table = source.table
@@ -107,24 +108,24 @@ def training_source(args) -> tuple[DataSource, dict]:
         "paths": paths,
         "sha256": list(table.sha256),
         "rows": list(table.rows),
-        "columns": None if args.columns is None else args.columns.split(","),
+        "columns": None if config.columns is None else config.columns.split(","),
         "names": None if table.names is None else list(table.names),
-        "array": args.array,
-        "val_fraction": args.val_fraction,
-        "test_fraction": args.test_fraction,
-        "split_seed": args.split_seed,
+        "array": config.array,
+        "val_fraction": config.val_fraction,
+        "test_fraction": config.test_fraction,
+        "split_seed": config.split_seed,
         "standardize": std is not None,
         "mean": None if std is None else np.asarray(std.mean).tolist(),
         "scale": None if std is None else np.asarray(std.scale).tolist(),
     }
-    shown = paths[0] if len(paths) == 1 else paths
+    shown = paths[0] if len(paths) == 1 else tuple(paths)
     return source, {"data": shown, "data_file": data_file, "data_dir": None}
 
 
-def changed_files(old: dict, new: dict) -> list[str]:
-    """The files of `old["data_file"]` whose SHA-256 differs in `new["data_file"]`
-    (the same path, other bytes), as readable lines."""
-    before, now = old.get("data_file") or {}, new.get("data_file") or {}
+def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
+    """The files of `old.data_file` whose SHA-256 differs in `new.data_file` (the
+    same path, other bytes), as readable lines."""
+    before, now = old.data_file or {}, new.data_file or {}
     found = dict(zip(now.get("paths", []), now.get("sha256", [])))
     return [
         f"{path} (SHA-256 {sha[:12]}... when the run began, {found[path][:12]}... now)"
@@ -133,12 +134,12 @@ def changed_files(old: dict, new: dict) -> list[str]:
     ]
 
 
-def run_source(config: dict) -> DataSource:
+def run_source(config: RunConfig) -> DataSource:
     """The data source of a trained run, for `eval` and `plot`: a file's rows split
     again as in training, after checking that the file is the one trained on."""
-    data_file = config.get("data_file")
+    data_file = config.data_file
     if data_file is None:
-        return data_source(config["data"], data_dir=config.get("data_dir"))
+        return data_source(config.data, data_dir=config.data_dir)
     for path, sha in zip(data_file["paths"], data_file["sha256"]):
         if not os.path.isfile(path):
             raise CommandFailed(

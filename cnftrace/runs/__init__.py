@@ -6,5 +6,10 @@ from ._build import (
     run_objective as run_objective,
     run_optimizer as run_optimizer,
 )
-from ._config import MODEL_KEYS as MODEL_KEYS, read_config as read_config
-from ._files import load as load, save as save
+from ._config import RunConfig as RunConfig, read_config as read_config
+from ._files import (
+    LoadedRun as LoadedRun,
+    load as load,
+    load_run as load_run,
+    save as save,
+)

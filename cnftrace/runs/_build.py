@@ -8,32 +8,33 @@ from ..estimators import AbstractEstimator, Exact, Hutchinson
 from ..flows import AbstractFlow, Standardization, mlp_flow
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import warmup_cosine_adam
+from ._config import RunConfig
 
 
-def run_flow(config: dict, key, dim: int) -> AbstractFlow:
+def run_flow(config: RunConfig, key, dim: int) -> AbstractFlow:
     """The flow described by a run's config, for data of dimension `dim`."""
-    if config["blocks"] == 1:
+    if config.blocks == 1:
         # The command line has always drawn a single block's key by a split.
         key = jr.split(key, 1)[0]
     return mlp_flow(
         dim,
         key=key,
-        field=config["field"],
-        blocks=config["blocks"],
-        width=config["width"],
-        depth=config["depth"],
-        activation=config["activation"],
-        t1=config["t1"],
-        learn_t1=config.get("learn_t1", False),
-        solver=config["solver"],
-        rtol=config["rtol"],
-        atol=config["atol"],
+        field=config.field,
+        blocks=config.blocks,
+        width=config.width,
+        depth=config.depth,
+        activation=config.activation,
+        t1=config.t1,
+        learn_t1=config.learn_t1,
+        solver=config.solver,
+        rtol=config.rtol,
+        atol=config.atol,
     )
 
 
-def run_standardization(config: dict) -> Standardization | None:
+def run_standardization(config: RunConfig) -> Standardization | None:
     """The standardisation a run on a data file trained under, or `None`."""
-    data_file = config.get("data_file") or {}
+    data_file = config.data_file or {}
     if data_file.get("mean") is None:
         return None
     return Standardization(
@@ -42,24 +43,24 @@ def run_standardization(config: dict) -> Standardization | None:
     )
 
 
-def run_optimizer(config: dict):
-    return warmup_cosine_adam(config["steps"], config["lr"], clip=config["clip"])
+def run_optimizer(config: RunConfig):
+    return warmup_cosine_adam(config.steps, config.lr, clip=config.clip)
 
 
-def run_estimator(config: dict) -> AbstractEstimator:
-    if config["estimator"] == "exact":
+def run_estimator(config: RunConfig) -> AbstractEstimator:
+    if config.estimator == "exact":
         return Exact()
-    return Hutchinson(config["num_probes"], config["estimator"])
+    return Hutchinson(config.num_probes, config.estimator)
 
 
-def run_objective(config: dict) -> AbstractObjective:
+def run_objective(config: RunConfig) -> AbstractObjective:
     """`fit`'s `objective` for a run's config."""
-    if config["objective"] == "mle":
+    if config.objective == "mle":
         return MaximumLikelihood(
             run_estimator(config),
-            config["kinetic_energy"],
-            config["jacobian_norm"],
-            tolerance=config["train_tol"],
+            config.kinetic_energy,
+            config.jacobian_norm,
+            tolerance=config.train_tol,
         )
-    coupling = "ot" if config["objective"] == "ot-fm" else "independent"
-    return FlowMatching(sigma=config["fm_sigma"], coupling=coupling)
+    coupling = "ot" if config.objective == "ot-fm" else "independent"
+    return FlowMatching(sigma=config.fm_sigma, coupling=coupling)

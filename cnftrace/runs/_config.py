@@ -1,48 +1,529 @@
-"""A run directory's settings (`config.json`): which keys define a run, and reading
-them back."""
+"""`RunConfig`: the settings of a run of `cnftrace train`, in one place.
 
+Each field is one setting: its default, its command-line flag and help, its argument
+group, its accepted range, and whether it is stored in the run's `config.json` (the
+settings that define the model, its data and its optimisation, which a resumed run
+must share). The command line's flags, `config.json`, the check on resume and
+`cnftrace.load` all come from this class.
+"""
+
+import argparse
+import dataclasses
 import json
+import math
+import os
+from typing import Any
 
 from .._io import FileKindError, read_regular_file
-from ..training import CheckpointError
+from ..datasets import ALL_DATASETS
+from ..flows import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
+from ..objectives import OBJECTIVES
+from ..training import CheckpointError, same_value
 
-
-# Settings that define the model and the optimisation; a checkpoint written under other
-# values of these is refused on resume.
-MODEL_KEYS = (
-    "data", "blocks", "width", "depth", "activation", "t1", "solver", "rtol", "atol",
-    "lr", "batch_size", "estimator", "num_probes", "seed", "clip", "steps",
-    "kinetic_energy", "jacobian_norm", "learn_t1", "objective", "fm_sigma", "field",
-    "train_tol", "data_file", "data_dir", "patience",
-)  # fmt: skip
-# Values of settings added after a run's config may have been written.
-LATER_KEYS = {
-    "kinetic_energy": 0.0,
-    "jacobian_norm": 0.0,
-    "learn_t1": False,
-    "objective": "mle",
-    "fm_sigma": 0.0,
-    # Runs written before MLPField became the default trained FFJORD's ConcatSquash
-    # field at the flow's own tolerance.
-    "field": "concatsquash",
-    "train_tol": None,
-    # Runs on built-in data sets: no file, no directory, no early stopping.
-    "data_file": None,
-    "data_dir": None,
-    "patience": None,
+_REQUIRED = object()  # no value to assume for a config written without the key
+GROUPS = ("data", "model", "training", "run")
+# The length and batch size of training by data set, where the general default
+# (`None`) falls short: checkerboard's sharp edges need more and less noisy steps.
+RECIPES = {
+    None: {"steps": 2400, "batch_size": 128},
+    "checkerboard": {"steps": 8000, "batch_size": 256},
 }
 
 
-def with_defaults(config: dict) -> dict:
-    return {**LATER_KEYS, **config}
+def _tolerance(value: str) -> float | None:
+    if value.lower() == "none":
+        return None
+    try:
+        tol = float(value)
+    except ValueError:
+        tol = math.nan
+    if not (math.isfinite(tol) and tol > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive tolerance or 'none', got {value!r}"
+        )
+    return tol
 
 
-def read_config(path: str) -> dict:
-    """A run's `config.json` with the settings added since filled in, or a
-    `CheckpointError` saying what is wrong with it."""
+def _devices(value: str) -> int | str:
+    if value == "all":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected 'all' or a number of devices >= 1, got {value!r}"
+        )
+    return n
+
+
+def _setting(
+    default,
+    group: str,
+    help: str,
+    *,
+    stored: bool = True,
+    legacy=_REQUIRED,
+    flag: str | None = "",
+    shown: str | None = None,
+    check: tuple | None = None,
+    **argparse_kwargs,
+):
+    """A field of `RunConfig`.
+
+    - `stored`: kept in `config.json` and compared on resume.
+    - `legacy`: the value of a stored setting that a `config.json` written before it
+        existed lacks (none: such a file is refused).
+    - `flag`: its command-line flag (`--` and the name with dashes, by default);
+        `None` for a setting the command derives itself.
+    - `shown`: the default as `--help` states it, where it is not the value.
+    - `check`: `(kind, bound)`, the accepted range: `("int", low)`,
+        `("positive", None)` (finite and > 0), `("weight", None)` (finite, >= 0),
+        `("fraction", None)` (in [0, 1)).
+    - `argparse_kwargs`: passed to `add_argument` (`type`, `choices`, ...).
+    """
+    metadata = dict(
+        group=group,
+        help=help,
+        stored=stored,
+        legacy=legacy,
+        flag=flag,
+        shown=shown,
+        check=check,
+        argparse=argparse_kwargs,
+    )
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The settings of a run of `cnftrace train` (see the module's docstring). A
+    field left `None` where its help says "chosen from the data" is filled by
+    `cnftrace train` before the run starts, and stored filled."""
+
+    # ---------------------------------------------------------------- data
+    data: str | tuple[str, ...] = _setting(
+        "8gaussians",
+        "data",
+        "a built-in data set (`cnftrace datasets` lists them), or one or more files "
+        "of samples (.csv, .tsv, .npy, .npz, .parquet; several are stacked)",
+        metavar="NAME|FILE",
+        nargs="+",
+    )
+    data_dir: str | None = _setting(
+        None,
+        "data",
+        "where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and MNIST's "
+        "files are",
+        legacy=None,
+        metavar="DIR",
+    )
+    columns: str | None = _setting(
+        None,
+        "data",
+        "the columns of a data file to train on, by header name or 0-based position",
+        stored=False,
+        shown="all",
+        metavar="A,B,...",
+    )
+    array: str | None = _setting(
+        None, "data", "the array of a .npz file", stored=False, metavar="NAME"
+    )
+    val_fraction: float = _setting(
+        0.1,
+        "data",
+        "share of a data file's rows held out for validation (0: none)",
+        stored=False,
+        check=("fraction", None),
+        type=float,
+    )
+    test_fraction: float = _setting(
+        0.1,
+        "data",
+        "share of a data file's rows held out for `cnftrace eval`",
+        stored=False,
+        type=float,
+    )
+    split_seed: int = _setting(
+        0,
+        "data",
+        "picks a data file's train/validation/test split",
+        stored=False,
+        check=("int", 0),
+        type=int,
+    )
+    no_standardize: bool = _setting(
+        False,
+        "data",
+        "train on a data file's values as they are (by default each column is "
+        "standardised by its training mean and standard deviation, and `eval`, "
+        "`sample` and `cnftrace.load` undo it)",
+        stored=False,
+        action="store_true",
+    )
+    # What pins a data file (paths, SHA-256, split, standardisation): derived.
+    data_file: dict | None = _setting(None, "data", "", legacy=None, flag=None)
+    # ---------------------------------------------------------------- model
+    field: str = _setting(
+        "mlp",
+        "model",
+        "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
+        "ConcatSquash layers (concatsquash)",
+        # Runs written before MLPField became the default trained FFJORD's field.
+        legacy="concatsquash",
+        choices=list(FIELDS),
+    )
+    blocks: int = _setting(
+        1, "model", "number of CNF blocks", check=("int", 1), type=int
+    )
+    width: int = _setting(64, "model", "hidden units", check=("int", 1), type=int)
+    depth: int = _setting(
+        3, "model", "hidden layers per block", check=("int", 0), type=int
+    )
+    activation: str | None = _setting(
+        None,
+        "model",
+        "the field's activation",
+        shown="silu for --field mlp, tanh for concatsquash",
+        choices=sorted(ACTIVATIONS),
+    )
+    t1: float = _setting(
+        0.5, "model", "integration time", check=("positive", None), type=float
+    )
+    learn_t1: bool = _setting(
+        False,
+        "model",
+        "train the integration time too (FFJORD's train_T), starting at --t1",
+        legacy=False,
+        action="store_true",
+    )
+    solver: str = _setting("tsit5", "model", "ODE solver", choices=sorted(SOLVERS))
+    rtol: float = _setting(
+        1e-5,
+        "model",
+        "solver tolerance of the model (evaluation and sampling)",
+        check=("positive", None),
+        type=float,
+    )
+    atol: float = _setting(
+        1e-5,
+        "model",
+        "solver tolerance of the model (evaluation and sampling)",
+        check=("positive", None),
+        type=float,
+    )
+    # ---------------------------------------------------------------- training
+    objective: str = _setting(
+        "mle",
+        "training",
+        "maximum likelihood through the ODE solve (mle), conditional flow matching "
+        "(fm), or flow matching with minibatch optimal-transport pairing (ot-fm); "
+        "flow matching needs no solve in training",
+        legacy="mle",
+        choices=list(OBJECTIVES),
+    )
+    steps: int | None = _setting(
+        None,
+        "training",
+        "total optimiser steps",
+        shown="2400; 8000 for checkerboard",
+        check=("int", 1),
+        type=int,
+    )
+    batch_size: int | None = _setting(
+        None,
+        "training",
+        "samples per step",
+        shown="128; 256 for checkerboard",
+        check=("int", 1),
+        type=int,
+    )
+    lr: float = _setting(
+        3e-3, "training", "peak learning rate", check=("positive", None), type=float
+    )
+    clip: float = _setting(
+        10.0, "training", "gradient-norm clip", check=("positive", None), type=float
+    )
+    train_tol: float | None = _setting(
+        1e-3,
+        "training",
+        "solver rtol = atol in maximum-likelihood training ('none': train at "
+        "--rtol/--atol)",
+        legacy=None,
+        type=_tolerance,
+        metavar="TOL|none",
+    )
+    estimator: str = _setting(
+        "rademacher",
+        "training",
+        "trace estimator in training (evaluation always uses the exact trace)",
+        choices=["rademacher", "gaussian", "sphere", "exact"],
+    )
+    num_probes: int = _setting(
+        1, "training", "probes of the estimator", check=("int", 1), type=int
+    )
+    kinetic_energy: float = _setting(
+        0.0,
+        "training",
+        "RNODE weight of the kinetic energy integral (0: off)",
+        legacy=0.0,
+        check=("weight", None),
+        type=float,
+        metavar="WEIGHT",
+    )
+    jacobian_norm: float = _setting(
+        0.0,
+        "training",
+        "RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
+        legacy=0.0,
+        check=("weight", None),
+        type=float,
+        metavar="WEIGHT",
+    )
+    fm_sigma: float = _setting(
+        0.0,
+        "training",
+        "width of flow matching's Gaussian paths at the data end, in [0, 1)",
+        legacy=0.0,
+        check=("fraction", None),
+        type=float,
+        metavar="SIGMA",
+    )
+    patience: int | None = _setting(
+        None,
+        "training",
+        "stop after this many validations without improvement (0: never)",
+        # Runs on built-in data sets stopped early by no rule.
+        legacy=None,
+        shown="10 for a data file and the --data-dir sets, never for the others",
+        check=("int", 0),
+        type=int,
+    )
+    seed: int = _setting(
+        0, "training", "seed of the model's initialisation and the batches", type=int
+    )
+    # ---------------------------------------------------------------- run
+    run_dir: str = _setting(
+        None, "run", "directory of this run", stored=False, required=True
+    )
+    checkpoint_every: int = _setting(
+        100,
+        "run",
+        "steps between checkpoints (and validations)",
+        stored=False,
+        check=("int", 1),
+        type=int,
+    )
+    print_every: int = _setting(
+        50,
+        "run",
+        "steps between log lines (without a terminal)",
+        stored=False,
+        check=("int", 1),
+        type=int,
+    )
+    no_progress: bool = _setting(
+        False, "run", "plain log lines", stored=False, action="store_true"
+    )
+    devices: int | str | None = _setting(
+        None,
+        "run",
+        "train data-parallel on the first N devices, or all of them (the batch size "
+        "must be a multiple of the number)",
+        stored=False,
+        shown="one device",
+        type=_devices,
+        metavar="N|all",
+    )
+    distributed: bool = _setting(
+        False,
+        "run",
+        "join a multi-host run via jax.distributed.initialize (one process per "
+        "host; see the docs' scaling page)",
+        stored=False,
+        action="store_true",
+    )
+
+    # ------------------------------------------------------------ the flags
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Adds one flag per setting to `parser`, in argument groups, each help
+        ending with the default."""
+        groups = {
+            name: parser.add_argument_group(f"{name} settings") for name in GROUPS
+        }
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta["flag"] is None:
+                continue
+            kwargs = dict(meta["argparse"])
+            flags = [meta["flag"] or "--" + f.name.replace("_", "-")]
+            if f.name == "data":
+                flags.append("--dataset")
+                kwargs["action"] = _DataAction
+            if "metavar" not in kwargs and kwargs.get("type") in (int, float):
+                kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
+            shown = meta["shown"] or _flag_value(f.default)
+            required = kwargs.get("required")
+            help = f"{meta['help']} ({'required' if required else 'default: ' + shown})"
+            groups[meta["group"]].add_argument(
+                *flags, dest=f.name, default=f.default, help=help, **kwargs
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
+        """The settings of parsed flags (those `add_arguments` added)."""
+        return cls(**{f.name: getattr(args, f.name) for f in _flagged(cls)})
+
+    def check(self) -> None:
+        """A `ValueError` naming the flag and the range of any setting out of its
+        range, or of two settings that do not go together."""
+        for f in dataclasses.fields(self):
+            kind = f.metadata["check"]
+            value = getattr(self, f.name)
+            if kind is None or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind, low = kind
+            if kind == "int" and value < low:
+                raise ValueError(f"{flag} must be at least {low}.")
+            if kind == "positive" and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} must be a finite number > 0; got {value}.")
+            if kind == "weight" and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{flag} must be a finite weight >= 0.")
+            if kind == "fraction" and not (math.isfinite(value) and 0 <= value < 1):
+                raise ValueError(f"{flag} must be in [0, 1); got {value}.")
+        if not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"--seed must fit in 64 bits; got {self.seed}.")
+        if not (math.isfinite(self.test_fraction) and 0 < self.test_fraction < 1):
+            raise ValueError(
+                f"--test-fraction must be in (0, 1); got {self.test_fraction}."
+            )
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError(
+                f"--val-fraction {self.val_fraction} and --test-fraction "
+                f"{self.test_fraction} leave no rows to train on; make them add up "
+                "to less than 1."
+            )
+        if not self.from_files():
+            for name in ("columns", "array"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"--{name} picks from a data file; --data {self.data} is a "
+                        "built-in data set."
+                    )
+        if self.objective != "mle":
+            if self.learn_t1:
+                raise ValueError(
+                    f"--objective {self.objective} fixes the integration time; drop "
+                    "--learn-t1 (or use --objective mle)."
+                )
+            if self.kinetic_energy or self.jacobian_norm:
+                raise ValueError(
+                    "--kinetic-energy and --jacobian-norm regularise --objective "
+                    f"mle; drop them with --objective {self.objective}."
+                )
+
+    def from_files(self) -> bool:
+        """Whether `data` names files (by their extension) rather than a data set."""
+        return not isinstance(self.data, str) or bool(os.path.splitext(self.data)[1])
+
+    def resolved(self) -> "RunConfig":
+        """The settings left to the data filled in: the steps and the batch size by
+        data set (`RECIPES`), early stopping (after 10 validations without
+        improvement) for a data file and the sets of `--data-dir`, never for the
+        other built-in sets, and the field's own activation."""
+        recipe = RECIPES.get(self.data if isinstance(self.data, str) else None)
+        values = {
+            name: value
+            for name, value in (recipe or RECIPES[None]).items()
+            if getattr(self, name) is None
+        }
+        if self.patience is None:
+            built_in = isinstance(self.data, str) and self.data in ALL_DATASETS
+            values["patience"] = None if built_in else 10
+        if self.activation is None:
+            values["activation"] = DEFAULT_ACTIVATION[self.field]
+        return dataclasses.replace(self, **values)
+
+    # ------------------------------------------------------------ config.json
+
+    def stored(self) -> dict[str, Any]:
+        """The settings kept in `config.json`, as JSON values."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata["stored"]:
+                value = getattr(self, f.name)
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_stored(cls, stored: dict[str, Any], path: str) -> "RunConfig":
+        """The settings of a `config.json` (at `path`, for messages): settings
+        added since it was written take their `legacy` value; an unknown key, or a
+        missing one without a legacy value, is a `CheckpointError`."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata["stored"]}
+        unknown = sorted(set(stored) - set(fields))
+        if unknown:
+            raise CheckpointError(
+                f"{path} holds settings cnftrace does not know: {', '.join(unknown)}; "
+                "restore the file, or start a new run directory."
+            )
+        values = {}
+        missing = []
+        for name, f in fields.items():
+            if name in stored:
+                value = stored[name]
+                values[name] = tuple(value) if isinstance(value, list) else value
+            elif f.metadata["legacy"] is not _REQUIRED:
+                values[name] = f.metadata["legacy"]
+            else:
+                missing.append(name)
+        if missing:
+            raise CheckpointError(
+                f"{path} lacks the settings {', '.join(missing)}; restore it, or "
+                "start a new run directory."
+            )
+        return cls(**values)
+
+    def differences(self, other: "RunConfig") -> list[str]:
+        """The stored settings where `other` (a run already in the directory)
+        differs from this one, as `name: other's value there, this one now`; the
+        data file is compared by the caller, by content."""
+        out = []
+        for name, value in self.stored().items():
+            if name == "data_file":
+                continue
+            old = other.stored()[name]
+            if not same_value(old, value):
+                out.append(f"{name}: {old!r} there, {value!r} now")
+        return out
+
+
+def _flagged(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata["flag"] is not None]
+
+
+def _flag_value(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+class _DataAction(argparse.Action):
+    """`--data`: one name or file is kept as a string, several files as a tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else tuple(values))
+
+
+def read_config(path: str) -> RunConfig:
+    """A run's `config.json`, or a `CheckpointError` saying what is wrong with it."""
     try:
         text = read_regular_file(path, limit=2**20).decode()
-        config = json.loads(text)
+        stored = json.loads(text)
     except FileKindError as e:
         raise CheckpointError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -50,13 +531,6 @@ def read_config(path: str) -> dict:
             f"{path} is not a JSON settings file ({e}); restore it, or start a new "
             "run directory."
         ) from None
-    if not isinstance(config, dict):
+    if not isinstance(stored, dict):
         raise CheckpointError(f"{path} does not hold a JSON object of settings.")
-    config = with_defaults(config)
-    missing = [k for k in MODEL_KEYS if k not in config]
-    if missing:
-        raise CheckpointError(
-            f"{path} lacks the settings {', '.join(missing)}; restore it, or start a "
-            "new run directory."
-        )
-    return config
+    return RunConfig.from_stored(stored, path)

@@ -5,13 +5,13 @@ import io
 import os
 import pathlib
 import warnings
-from typing import Any
+from typing import NamedTuple
 
 import equinox as eqx
 import jax.random as jr
 
 from .._io import FileKindError, atomic_write, read_regular_file
-from ..flows import AbstractFlow, StandardizedFlow
+from ..flows import AbstractFlow, Standardization, StandardizedFlow
 from ..training import (
     CheckpointError,
     deserialise,
@@ -20,7 +20,7 @@ from ..training import (
     read_header,
 )
 from ._build import run_flow, run_optimizer, run_standardization
-from ._config import read_config
+from ._config import RunConfig, read_config
 
 
 def save(path: str, flow: AbstractFlow) -> str:
@@ -85,7 +85,10 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
         ```
     """
     if os.path.isdir(path):
-        flow, info = _load_run(path)
+        run = load_run(path)
+        flow = run.flow
+        info = {"config": run.config.stored(), "step": run.step}
+        info["transform"] = run.transform
     else:
         flow = _load_file(path, like)
         info = {"config": None, "step": None, "transform": None}
@@ -126,7 +129,20 @@ def _event_shape(checkpoints: str) -> tuple[int, ...] | None:
     return None
 
 
-def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
+class LoadedRun(NamedTuple):
+    """A trained run as `load_run` reads it."""
+
+    flow: AbstractFlow
+    config: RunConfig
+    step: int
+    transform: Standardization | None
+
+
+def load_run(run_dir: str) -> LoadedRun:
+    """The flow of a run directory, rebuilt from its settings and given the
+    parameters of its newest good checkpoint (the best validated ones, where the
+    run validated), with its settings, the checkpoint's step and the data's
+    standardisation; a `CheckpointError` saying what is missing or wrong."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(
@@ -138,10 +154,10 @@ def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
     shape = _event_shape(checkpoints)
     if shape is None or len(shape) != 1:
         raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
-    flow = run_flow(config, jr.key(config["seed"]), shape[0])
+    flow = run_flow(config, jr.key(config.seed), shape[0])
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     opt_state = run_optimizer(config).init(params)
-    like = (params, opt_state, jr.key_data(jr.key(config["seed"])), params)
+    like = (params, opt_state, jr.key_data(jr.key(config.seed)), params)
     found = latest_good_checkpoint(
         checkpoints, like, warn=lambda m: warnings.warn(m, stacklevel=3)
     )
@@ -152,4 +168,4 @@ def _load_run(run_dir: str) -> tuple[AbstractFlow, dict[str, Any]]:
     transform = run_standardization(config)
     if transform is not None:
         flow = StandardizedFlow(flow, transform)
-    return flow, {"config": config, "step": step, "transform": transform}
+    return LoadedRun(flow, config, step, transform)

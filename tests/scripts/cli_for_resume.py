@@ -7,12 +7,13 @@ it mid-run with SIGKILL however fast the machine is (the pause changes no number
 import sys
 import time
 
-import cnftrace.cli._main as cli
+import cnftrace.cli._train as train
+from cnftrace.cli import main as cli_main
 
 
 def main():
     pause = float(sys.argv[1])
-    fit = cli.fit
+    fit = train.fit
 
     def slow_fit(*args, on_log, **kwargs):
         def logged(record):
@@ -21,8 +22,8 @@ def main():
 
         return fit(*args, on_log=logged, **kwargs)
 
-    cli.fit = slow_fit
-    return cli.main(["train", *sys.argv[2:]])
+    train.fit = slow_fit
+    return cli_main(["train", *sys.argv[2:]])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""`cnftrace eval`, `sample`, `plot` and `datasets`: what the command line does with
+a trained run, and the list of data sets."""
+
+import json
+import math
+import os
+import sys
+import warnings
+
+import jax.random as jr
+import numpy as np
+
+from .. import training
+from .._io import atomic_write
+from ..datasets import DataSource, digits_from_logit, toy_entropy
+from ..runs import LoadedRun, load_run
+from ..training import evaluate_nll
+from ._checks import check_fits_in_memory
+from ._data import list_datasets, run_source, score_report, write_samples
+
+
+def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
+    """A trained run and its data source (for a run on a data file, `None` unless
+    `need_data`: sampling needs no data). The checkpoints skipped on the way are
+    reported, one line each."""
+    if not os.path.isdir(run_dir):
+        raise training.CheckpointError(
+            f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
+            "with `cnftrace train --run-dir DIR`."
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = load_run(run_dir)
+    for w in caught:
+        print(f"cnftrace: {w.message}", file=sys.stderr)
+    source = None
+    if need_data or run.config.data_file is None:
+        source = run_source(run.config)
+    return run, source
+
+
+def cmd_datasets(args) -> int:
+    rows = [("name", "dim", "size", "entropy", "what")]
+    rows += list_datasets(args.data_dir)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(w) for cell, w in zip(row[1:4], widths[1:])]
+        print("  ".join(cells + [row[4]]))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    run, source = _load(args.run_dir)
+    config, flow, step = run.config, run.flow, run.step
+    check_fits_in_memory("--n", args.n, source.dim)
+    test = source.test(args.seed, args.n)
+    nll = evaluate_nll(flow, test)
+    shown = config.data if isinstance(config.data, str) else config.data[0]
+    result = {
+        "step": step,
+        "data": config.data,
+        "test_nll": nll.mean,
+        "stderr": nll.stderr,
+        "nfe": nll.nfe,
+        "n": int(test.shape[0]),
+        **score_report(source, nll.mean, args.seed, args.n),
+    }
+    if source.kind == "file":
+        result["units"] = "data"  # log_prob in the file's own units, scaling included
+    line = (
+        f"{shown} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
+        f"nats (exact trace, n={result['n']})"
+    )
+    if "entropy" in result:
+        result["gap"] = nll.mean - result["entropy"]
+        line += f"; entropy {result['entropy']:.4f}; gap {result['gap']:.4f}"
+    if "gaussian_baseline_nll" in result:
+        line += f"; full-covariance Gaussian {result['gaussian_baseline_nll']:.4f}"
+    if "bits_per_dim" in result:
+        line += (
+            f"; {result['bits_per_dim']:.4f} bits/dim (Gaussian baseline "
+            f"{result['gaussian_baseline_bits_per_dim']:.4f})"
+        )
+    print(line + f"; NFE {nll.nfe:.0f}")
+    atomic_write(
+        os.path.join(args.run_dir, "eval.json"), json.dumps(result, indent=2).encode()
+    )
+    return 0
+
+
+def cmd_sample(args) -> int:
+    run, source = _load(args.run_dir, need_data=False)
+    config, flow = run.config, run.flow
+    check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
+    x = np.asarray(flow.sample(jr.key(args.seed), args.n))  # in the data's units
+    if source is not None and source.kind == "images":
+        # Pixel intensities in [0, 1].
+        x = digits_from_logit(x).reshape(args.n, *source.image_shape)
+    out = args.out or os.path.join(args.run_dir, "samples.npy")
+    names = (config.data_file or {}).get("names")
+    write_samples(out, x, names)
+    print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
+    return 0
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of `RUN_DIR/metrics.jsonl`, each step once (the last record of a
+    step, for files written before resuming cut them back)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return training.dedupe(training.read_records(path))
+
+
+def cmd_plot(args) -> int:
+    from ..plot import (
+        plot_flow_2d,
+        plot_image_grid,
+        plot_samples,
+        plot_training_curves,
+    )
+
+    run, source = _load(args.run_dir)
+    config, flow, step = run.config, run.flow, run.step
+    plots = os.path.join(args.run_dir, "plots")
+    paths = []
+    if source.kind == "toy":
+        data = source.test(args.seed, 20_000)
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 20_000))
+        paths.append(
+            plot_flow_2d(
+                flow,
+                data,
+                samples,
+                os.path.join(plots, "density.png"),
+                title=f"{config.data}, step {step}",
+            )
+        )
+    elif source.kind == "images":
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 64))
+        paths.append(
+            plot_image_grid(
+                digits_from_logit(samples).reshape(64, *source.image_shape),
+                os.path.join(plots, "samples.png"),
+                title=f"{config.data} samples, step {step}",
+            )
+        )
+    else:  # a table: the test rows beside as many samples, pair by pair
+        data = source.test(args.seed, 0)
+        samples = np.asarray(flow.sample(jr.key(args.seed + 1), data.shape[0]))
+        names = (config.data_file or {}).get("names")
+        paths.append(
+            plot_samples(
+                data,
+                samples,
+                os.path.join(plots, "samples.png"),
+                names=names,
+                title=f"test rows and samples, step {step}",
+            )
+        )
+    records = read_metrics(args.run_dir)
+    if records:
+        entropy = toy_entropy(config.data) if source.kind == "toy" else None
+        paths.append(
+            plot_training_curves(
+                records, os.path.join(plots, "training.png"), entropy=entropy
+            )
+        )
+    for p in paths:
+        print(f"wrote {p}")
+    return 0

@@ -1,0 +1,221 @@
+"""`cnftrace train`: a run directory's settings checked and written, then `fit` on
+it, resuming where a run there stopped.
+
+Each training run lives in its own directory:
+
+    RUN_DIR/config.json       the settings (`RunConfig.stored()`: the model is rebuilt
+                              from them; for a data file, its SHA-256, split and
+                              standardisation)
+    RUN_DIR/metrics.jsonl     one JSON record per logged step
+    RUN_DIR/checkpoints/      the newest checkpoints (model, optimiser, step, key)
+    RUN_DIR/plots/            pictures written by `cnftrace plot`
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.random as jr
+
+from .. import training
+from .._io import atomic_write
+from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
+from ..training import (
+    Checkpoints,
+    DirectoryLock,
+    Validation,
+    check_batch_size,
+    data_mesh,
+    fit,
+    is_main_process,
+)
+from ._checks import (
+    CommandFailed,
+    UsageError,
+    check_fits_in_memory,
+    check_model_fits_in_memory,
+    check_run_dir,
+)
+from ._data import changed_files, training_source
+
+
+def cmd_train(args) -> int:
+    config = RunConfig.from_args(args).resolved()  # checked by `check_args`
+    check_run_dir(config.run_dir)
+    mesh = _training_mesh(config)
+    # Every data file is read and checked here, before anything is written.
+    source, pinned = training_source(config)
+    config = dataclasses.replace(config, **pinned)
+    check_fits_in_memory("--batch-size", config.batch_size, source.dim)
+    check_model_fits_in_memory(config)
+    model_key, train_key = jr.split(jr.key(config.seed))
+    # Everything is checked (the model too) before anything is written.
+    flow = run_flow(config, model_key, source.dim)
+    settings = dict(
+        key=train_key,
+        objective=run_objective(config),
+        optimizer=run_optimizer(config),
+        mesh=mesh,
+    )
+    lock = contextlib.nullcontext()
+    if is_main_process():
+        lock = DirectoryLock(config.run_dir, "run directory")
+    with lock:
+        _write_config(config)
+        history, start = _train(config, source, flow, settings)
+    done = history["step"][-1] if history["step"] else config.steps
+    stopped = "" if done >= config.steps else f" (stopped early, of {config.steps})"
+    loss = f"final loss {history['loss'][-1]:.4f}"
+    if start is None:
+        print(f"{config.run_dir} had already trained {done} steps{stopped}; {loss}")
+    else:
+        resumed = f" (resumed at step {start})" if start else ""
+        print(f"trained {done} steps{stopped}{resumed}; {loss}")
+    return 0
+
+
+def _training_mesh(config: RunConfig):
+    """The mesh of `--devices` (all devices with `--distributed`), or `None` for one
+    device."""
+    devices = config.devices
+    if devices is None:
+        if not config.distributed:
+            return None
+        devices = "all"  # a multi-host run trains on every process's devices
+    available = len(jax.devices())
+    if devices != "all" and devices > available:
+        raise UsageError(
+            f"--devices {devices} asks for more devices than the "
+            f"{available} available; pass --devices all or a number up to {available}."
+        )
+    mesh = data_mesh(None if devices == "all" else devices)
+    try:
+        check_batch_size(config.batch_size, mesh.size, ("--batch-size", "--devices"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return mesh
+
+
+def initialize_distributed() -> None:
+    """`jax.distributed.initialize` from the environment: JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID where set, JAX's own detection (SLURM, Open
+    MPI, Cloud TPU) for the rest."""
+    numbers = {}
+    for name, var in (
+        ("num_processes", "JAX_NUM_PROCESSES"),
+        ("process_id", "JAX_PROCESS_ID"),
+    ):
+        value = os.environ.get(var)
+        if value is not None:
+            try:
+                numbers[name] = int(value)
+            except ValueError:
+                raise UsageError(f"{var}={value!r} is not an integer.") from None
+    try:
+        jax.distributed.initialize(**numbers)
+    except (ValueError, RuntimeError) as e:
+        raise CommandFailed(
+            f"--distributed could not join the cluster: {e}. Outside SLURM, "
+            "Open MPI or Cloud TPU, set JAX_COORDINATOR_ADDRESS=host:port (process "
+            "0's address), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."
+        ) from None
+
+
+def _write_config(config: RunConfig) -> None:
+    """Writes `config.json`, after checking that a run already there has the same
+    settings."""
+    run_dir = config.run_dir
+    path = os.path.join(run_dir, "config.json")
+    if os.path.lexists(path):
+        old = read_config(path)
+        changed = changed_files(old, config)
+        if changed:
+            raise UsageError(
+                f"{run_dir} was trained on a data file that has changed since: "
+                + "; ".join(changed)
+                + ". Resuming would train on other data: restore the file, or "
+                "train on it in a new --run-dir."
+            )
+        diffs = config.differences(old)
+        if diffs:
+            raise UsageError(
+                f"{run_dir} holds a run with other settings ({', '.join(diffs)}). "
+                "Use another --run-dir, or the same settings to resume."
+            )
+    atomic_write(path, json.dumps(config.stored(), indent=2).encode())
+
+
+class _Metrics:
+    """`metrics.jsonl`, one record per step. Before this run's first record, the
+    records from its step on are cut away: those a killed run logged after its last
+    checkpoint, which this run takes again. So every step is in the file once."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.log = None
+
+    def write(self, record: dict) -> None:
+        if self.log is None:
+            training.truncate(self.path, record["step"] - 1)
+            self.log = training.Log(self.path)
+        self.log.write(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]:
+    """`fit` on the run directory: its history, and the step this process started
+    training from (0 for a new run; `None` where the run had already finished)."""
+    tty = sys.stderr.isatty() and not config.no_progress
+    metrics = _Metrics(os.path.join(config.run_dir, "metrics.jsonl"))
+    last = {"t": time.perf_counter()}
+    start = None
+
+    def on_log(record):
+        nonlocal start
+        if start is None:
+            start = record["step"] - 1
+        now = time.perf_counter()
+        record = dict(record, step_seconds=now - last["t"])
+        last["t"] = now
+        metrics.write(record)
+        if not tty and record["step"] % config.print_every == 0:
+            print(
+                f"step {record['step']:>7}/{config.steps}  loss {record['loss']:.4f}"
+                f"  nfe {record['nfe']}/{record['nfe_backward']} (fwd/bwd)"
+                f"  {record['seconds']:.1f}s",
+                flush=True,
+            )
+
+    validation = None
+    if source.validation is not None:
+        validation = Validation(
+            source.validation,
+            every=config.checkpoint_every,
+            patience=config.patience or None,
+        )
+    try:
+        _, history = fit(
+            flow,
+            source.train,
+            steps=config.steps,
+            batch_size=config.batch_size,
+            validation=validation,
+            checkpoints=Checkpoints(
+                os.path.join(config.run_dir, "checkpoints"),
+                every=config.checkpoint_every,
+                config=config.stored(),
+            ),
+            progress=tty,
+            on_log=on_log,
+            **settings,
+        )
+    finally:
+        metrics.close()
+    return history, start
