@@ -135,8 +135,8 @@ def jvp_columns(fn, y, tangents):
 
     A few tangents (one probe, or the basis of a small state) go through one at a
     time: a `vmap` over them adds an axis that XLA meets with a transpose and a copy
-    of every tangent activation, forward and backward (B1's training step was about
-    a fifth faster without it). More tangents are batched with `vmap`."""
+    of every tangent activation, forward and backward, which made a training step
+    slower. More tangents are batched with `vmap`."""
 
     def jvp(v):
         return jax.jvp(fn, (y,), (v,))

@@ -17,8 +17,8 @@ def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
     """`layer(x)` for a vector `x`, written `x @ W.T + b`: under `vmap` (a batch, or
     the basis of an exact trace) the mapped axes then stay in front of the features,
     where `W @ x` puts them behind, and XLA transposes activations and tangents to
-    match the elementwise operations that follow. For `MLPField` on B1's problem this
-    made a training step about a quarter faster with either estimator."""
+    match the elementwise operations that follow, which made a training step
+    slower."""
     out = x @ layer.weight.T
     return out if layer.bias is None else out + layer.bias
 
@@ -99,7 +99,7 @@ class ConcatSquashLinear(eqx.Module):
             gate = gate + self.gate_context @ context
             shift = shift + self.shift_context @ context
         # `self.linear(x)`, not `_linear`: FFJORD's layer trains faster this way with
-        # one probe (measured on B1: 0.040-0.043 s/step against 0.045-0.050).
+        # one probe.
         return self.linear(x) * jax.nn.sigmoid(gate) + shift
 
 

@@ -3,14 +3,14 @@
 diffrax runs a Runge-Kutta step's stages as equinox's checkpointed while loop, nested
 inside the checkpointed loop over the steps. Reverse mode then traces every step's
 stages several times over (equinox finds which values carry cotangents by tracing the
-loop body until that settles, for the outer and the inner loop alike): about 0.8 s of
-tracing B1's gradient, 45% of it. A `lax.scan` is differentiated from its traced body
-(a jaxpr), without tracing the Python code again.
+loop body until that settles, for the outer and the inner loop alike). A `lax.scan` is
+differentiated from its traced body (a jaxpr), without tracing the Python code again,
+so a CNF's gradient traces in about half the time (`docs/benchmarks.md`).
 
 Each stage's evaluation of the vector field is rematerialised (`jax.checkpoint`): the
 backward pass evaluates it again, as diffrax's stage loop does, instead of storing
-its intermediate values for every stage, which made B1's Hutchinson gradient 30%
-slower. The arithmetic is diffrax's: the same tableau, the same steps, error estimate
+its intermediate values for every stage, which made the gradient slower. The
+arithmetic is diffrax's: the same tableau, the same steps, error estimate
 and dense output (`k`, one row per stage); results differ from diffrax's own loop only
 in the order of floating-point additions.
 """

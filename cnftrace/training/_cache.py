@@ -17,8 +17,7 @@ OPT_OUT = "CNFTRACE_COMPILATION_CACHE"
 
 # Programs that compile faster than this are not written: the smallest ones (a single
 # operation run eagerly) cost about as much to read back as to compile, and the cache
-# would fill with thousands of them. A data function's or an optimiser's program
-# (0.1 s to compile) reads back in about 0.01 s.
+# would fill with thousands of them.
 MIN_COMPILE_SECONDS = 0.03
 # The least recently used programs are deleted beyond this size.
 MAX_BYTES = 2 * 1024**3

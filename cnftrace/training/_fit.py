@@ -185,7 +185,11 @@ def fit(
         optimal-transport pairing (see [`FlowMatching`][cnftrace.FlowMatching]); or
         any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
         keeps the flow's own estimator (for evaluation).
-    - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
+    - `optimizer`: an optax optimiser. By default Adam on a schedule over the run's
+        `steps` ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`):
+        a linear warmup to 3e-3 over the first `min(50, steps // 4)` steps, a cosine
+        decay to 1.5e-4 at the last step, and gradients clipped at a global norm of
+        10.
     - `context`: for a conditional flow (`context_dim=...`) with array data, one
         context row per sample of `data`. A generator for a conditional flow
         returns `(batch, context)` pairs instead.

@@ -1,0 +1,114 @@
+"""The package's layout (docs/conventions.md, "The package's layout"): each layer
+imports only the layers below it and only what their `__init__.py` names, no module
+grows past 700 lines, and no module leans on JAX's internals or changes the process's
+state."""
+
+import ast
+import glob
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "cnftrace")
+# Bottom to top; a layer may import the layers before it. `_io`, `_checks` and
+# `_custom_types` are the bottom of all.
+LAYERS = (
+    "estimators",
+    "ode",
+    "nets",
+    "flows",
+    "objectives",
+    "datasets",
+    "training",
+    "plot",
+    "runs",
+    "cli",
+)
+BASE = ("_io", "_checks", "_custom_types")
+MODULES = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
+
+
+def _name(path: str) -> str:
+    return os.path.relpath(path, PACKAGE)
+
+
+def _layer(path: str) -> str | None:
+    """The layer of a module of the package (`None` for the top-level modules)."""
+    first = _name(path).split(os.sep)[0].removesuffix(".py")
+    return first if first in LAYERS or first in BASE else None
+
+
+def _imports(path: str) -> list[tuple[str, ...]]:
+    """The package's own modules that a module imports, as dotted parts below
+    `cnftrace` (`("flows", "_cnf")`), resolving relative imports."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    here = ("cnftrace", *_name(path).removesuffix(".py").split(os.sep))
+    package = here[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                parts = (*base, *(node.module.split(".") if node.module else ()))
+            else:
+                parts = tuple((node.module or "").split("."))
+            if parts[0] == "cnftrace":
+                names = [a.name for a in node.names]
+                out += [(*parts[1:], n) for n in names] if len(parts) == 1 else []
+                out.append(parts[1:])
+        elif isinstance(node, ast.Import):
+            out += [
+                tuple(a.name.split(".")[1:])
+                for a in node.names
+                if a.name.split(".")[0] == "cnftrace"
+            ]
+    return [p for p in out if p]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_module_is_over_700_lines(path):
+    with open(path) as f:
+        assert sum(1 for _ in f) <= 700
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_layers_import_only_layers_below_and_only_their_interface(path):
+    layer = _layer(path)
+    for parts in _imports(path):
+        target = parts[0].removesuffix(".py")
+        if target in BASE or layer is None or target == layer:
+            continue
+        assert target in LAYERS, (parts, _name(path))
+        if layer not in BASE:
+            assert LAYERS.index(target) < LAYERS.index(layer), (
+                f"{_name(path)} (layer {layer}) imports {'.'.join(parts)}"
+            )
+        # Another layer is reached through its `__init__.py`, never its privates.
+        assert len(parts) == 1 or not parts[1].startswith("_"), (
+            f"{_name(path)} imports the private {'.'.join(parts)}"
+        )
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_internals_of_jax_and_no_process_wide_switches(path):
+    with open(path) as f:
+        source = f.read()
+    for forbidden in (
+        "jax._src",
+        "serialize_executable",
+        "gc.disable",
+        "gc.freeze",
+        "ThreadPoolExecutor",
+        "monitoring.register",
+    ):
+        assert forbidden not in source, (forbidden, _name(path))
+
+
+def test_the_layers_are_subpackages():
+    packages = {
+        os.path.basename(os.path.dirname(p))
+        for p in glob.glob(os.path.join(PACKAGE, "*", "__init__.py"))
+    }
+    assert set(LAYERS) - {"plot"} <= packages
