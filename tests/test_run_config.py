@@ -31,7 +31,7 @@ def test_every_setting_is_a_flag_whose_help_states_its_default():
     parser = _train_parser()
     by_dest = {a.dest: a for a in parser._actions}
     fields = dataclasses.fields(RunConfig)
-    flagged = [f for f in fields if f.metadata["flag"] is not None]
+    flagged = [f for f in fields if f.metadata["flag"]]
     assert {f.name for f in flagged} <= set(by_dest)
     for f in flagged:
         action = by_dest[f.name]

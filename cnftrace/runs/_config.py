@@ -65,9 +65,10 @@ def _setting(
     *,
     stored: bool = True,
     legacy=_REQUIRED,
-    flag: str | None = "",
+    flag: bool = True,
     shown: str | None = None,
-    check: tuple | None = None,
+    low: int | None = None,
+    check: str | None = None,
     **argparse_kwargs,
 ):
     """A field of `RunConfig`.
@@ -75,14 +76,23 @@ def _setting(
     - `stored`: kept in `config.json` and compared on resume.
     - `legacy`: the value of a stored setting that a `config.json` written before it
         existed lacks (none: such a file is refused).
-    - `flag`: its command-line flag (`--` and the name with dashes, by default);
-        `None` for a setting the command derives itself.
+    - `flag`: whether it is a flag (`--` and the name with dashes); not for a
+        setting the command derives itself.
     - `shown`: the default as `--help` states it, where it is not the value.
-    - `check`: `(kind, bound)`, the accepted range: `("int", low)`,
-        `("positive", None)` (finite and > 0), `("weight", None)` (finite, >= 0),
-        `("fraction", None)` (in [0, 1)).
-    - `argparse_kwargs`: passed to `add_argument` (`type`, `choices`, ...).
+    - `low`: the least value of an integer; `check`: the range of a number,
+        `"positive"` (finite, > 0), `"weight"` (finite, >= 0) or `"fraction"` (in
+        [0, 1)).
+    - `argparse_kwargs`: passed to `add_argument`; an `int` or `float` default
+        gives the flag its type, a `bool` one makes it a switch.
     """
+    if isinstance(default, bool):
+        argparse_kwargs.setdefault("action", "store_true")
+    elif isinstance(default, (int, float)):
+        argparse_kwargs.setdefault("type", type(default))
+    if argparse_kwargs.get("type") in (int, float):
+        argparse_kwargs.setdefault(
+            "metavar", "N" if argparse_kwargs["type"] is int else "X"
+        )
     metadata = dict(
         group=group,
         help=help,
@@ -90,22 +100,26 @@ def _setting(
         legacy=legacy,
         flag=flag,
         shown=shown,
+        low=low,
         check=check,
         argparse=argparse_kwargs,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
 
+_DATA, _MODEL, _TRAINING, _RUN = GROUPS
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """The settings of a run of `cnftrace train` (see the module's docstring). A
-    field left `None` where its help says "chosen from the data" is filled by
-    `cnftrace train` before the run starts, and stored filled."""
+    field left `None` whose default depends on the data is filled by `resolved`
+    before the run starts, and stored filled."""
 
-    # ---------------------------------------------------------------- data
+    # The data.
     data: str | tuple[str, ...] = _setting(
         "8gaussians",
-        "data",
+        _DATA,
         "a built-in data set (`cnftrace datasets` lists them), or one or more files "
         "of samples (.csv, .tsv, .npy, .npz, .parquet; several are stacked)",
         metavar="NAME|FILE",
@@ -113,7 +127,7 @@ class RunConfig:
     )
     data_dir: str | None = _setting(
         None,
-        "data",
+        _DATA,
         "where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and MNIST's "
         "files are",
         legacy=None,
@@ -121,102 +135,76 @@ class RunConfig:
     )
     columns: str | None = _setting(
         None,
-        "data",
+        _DATA,
         "the columns of a data file to train on, by header name or 0-based position",
         stored=False,
         shown="all",
         metavar="A,B,...",
     )
     array: str | None = _setting(
-        None, "data", "the array of a .npz file", stored=False, metavar="NAME"
+        None, _DATA, "the array of a .npz file", stored=False, metavar="NAME"
     )
     val_fraction: float = _setting(
         0.1,
-        "data",
+        _DATA,
         "share of a data file's rows held out for validation (0: none)",
         stored=False,
-        check=("fraction", None),
-        type=float,
+        check="fraction",
     )
     test_fraction: float = _setting(
-        0.1,
-        "data",
-        "share of a data file's rows held out for `cnftrace eval`",
-        stored=False,
-        type=float,
+        0.1, _DATA, "share of a data file's rows held out for `eval`", stored=False
     )
     split_seed: int = _setting(
-        0,
-        "data",
-        "picks a data file's train/validation/test split",
-        stored=False,
-        check=("int", 0),
-        type=int,
+        0, _DATA, "picks a data file's train/validation/test split", stored=False, low=0
     )
     no_standardize: bool = _setting(
         False,
-        "data",
+        _DATA,
         "train on a data file's values as they are (by default each column is "
         "standardised by its training mean and standard deviation, and `eval`, "
         "`sample` and `cnftrace.load` undo it)",
         stored=False,
-        action="store_true",
     )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
-    data_file: dict | None = _setting(None, "data", "", legacy=None, flag=None)
-    # ---------------------------------------------------------------- model
+    data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
+    # The model.
     field: str = _setting(
         "mlp",
-        "model",
+        _MODEL,
         "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
         "ConcatSquash layers (concatsquash)",
         # Runs written before MLPField became the default trained FFJORD's field.
         legacy="concatsquash",
         choices=list(FIELDS),
     )
-    blocks: int = _setting(
-        1, "model", "number of CNF blocks", check=("int", 1), type=int
-    )
-    width: int = _setting(64, "model", "hidden units", check=("int", 1), type=int)
-    depth: int = _setting(
-        3, "model", "hidden layers per block", check=("int", 0), type=int
-    )
+    blocks: int = _setting(1, _MODEL, "number of CNF blocks", low=1)
+    width: int = _setting(64, _MODEL, "hidden units", low=1)
+    depth: int = _setting(3, _MODEL, "hidden layers per block", low=0)
     activation: str | None = _setting(
         None,
-        "model",
+        _MODEL,
         "the field's activation",
         shown="silu for --field mlp, tanh for concatsquash",
         choices=sorted(ACTIVATIONS),
     )
-    t1: float = _setting(
-        0.5, "model", "integration time", check=("positive", None), type=float
-    )
+    t1: float = _setting(0.5, _MODEL, "integration time", check="positive")
     learn_t1: bool = _setting(
         False,
-        "model",
+        _MODEL,
         "train the integration time too (FFJORD's train_T), starting at --t1",
         legacy=False,
-        action="store_true",
     )
-    solver: str = _setting("tsit5", "model", "ODE solver", choices=sorted(SOLVERS))
+    solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
     rtol: float = _setting(
-        1e-5,
-        "model",
-        "solver tolerance of the model (evaluation and sampling)",
-        check=("positive", None),
-        type=float,
+        1e-5, _MODEL, "solver tolerance of the model", check="positive"
     )
     atol: float = _setting(
-        1e-5,
-        "model",
-        "solver tolerance of the model (evaluation and sampling)",
-        check=("positive", None),
-        type=float,
+        1e-5, _MODEL, "solver tolerance of the model", check="positive"
     )
-    # ---------------------------------------------------------------- training
+    # The training.
     objective: str = _setting(
         "mle",
-        "training",
+        _TRAINING,
         "maximum likelihood through the ODE solve (mle), conditional flow matching "
         "(fm), or flow matching with minibatch optimal-transport pairing (ot-fm); "
         "flow matching needs no solve in training",
@@ -225,29 +213,25 @@ class RunConfig:
     )
     steps: int | None = _setting(
         None,
-        "training",
+        _TRAINING,
         "total optimiser steps",
         shown="2400; 8000 for checkerboard",
-        check=("int", 1),
+        low=1,
         type=int,
     )
     batch_size: int | None = _setting(
         None,
-        "training",
+        _TRAINING,
         "samples per step",
         shown="128; 256 for checkerboard",
-        check=("int", 1),
+        low=1,
         type=int,
     )
-    lr: float = _setting(
-        3e-3, "training", "peak learning rate", check=("positive", None), type=float
-    )
-    clip: float = _setting(
-        10.0, "training", "gradient-norm clip", check=("positive", None), type=float
-    )
+    lr: float = _setting(3e-3, _TRAINING, "peak learning rate", check="positive")
+    clip: float = _setting(10.0, _TRAINING, "gradient-norm clip", check="positive")
     train_tol: float | None = _setting(
         1e-3,
-        "training",
+        _TRAINING,
         "solver rtol = atol in maximum-likelihood training ('none': train at "
         "--rtol/--atol)",
         legacy=None,
@@ -256,79 +240,56 @@ class RunConfig:
     )
     estimator: str = _setting(
         "rademacher",
-        "training",
+        _TRAINING,
         "trace estimator in training (evaluation always uses the exact trace)",
         choices=["rademacher", "gaussian", "sphere", "exact"],
     )
-    num_probes: int = _setting(
-        1, "training", "probes of the estimator", check=("int", 1), type=int
-    )
+    num_probes: int = _setting(1, _TRAINING, "probes of the estimator", low=1)
     kinetic_energy: float = _setting(
         0.0,
-        "training",
+        _TRAINING,
         "RNODE weight of the kinetic energy integral (0: off)",
         legacy=0.0,
-        check=("weight", None),
-        type=float,
-        metavar="WEIGHT",
+        check="weight",
     )
     jacobian_norm: float = _setting(
         0.0,
-        "training",
+        _TRAINING,
         "RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
         legacy=0.0,
-        check=("weight", None),
-        type=float,
-        metavar="WEIGHT",
+        check="weight",
     )
     fm_sigma: float = _setting(
         0.0,
-        "training",
+        _TRAINING,
         "width of flow matching's Gaussian paths at the data end, in [0, 1)",
         legacy=0.0,
-        check=("fraction", None),
-        type=float,
-        metavar="SIGMA",
+        check="fraction",
     )
     patience: int | None = _setting(
         None,
-        "training",
+        _TRAINING,
         "stop after this many validations without improvement (0: never)",
-        # Runs on built-in data sets stopped early by no rule.
-        legacy=None,
+        legacy=None,  # runs on built-in data sets stopped early by no rule
         shown="10 for a data file and the --data-dir sets, never for the others",
-        check=("int", 0),
+        low=0,
         type=int,
     )
-    seed: int = _setting(
-        0, "training", "seed of the model's initialisation and the batches", type=int
-    )
-    # ---------------------------------------------------------------- run
+    seed: int = _setting(0, _TRAINING, "seed of the initialisation and the batches")
+    # The run.
     run_dir: str = _setting(
-        None, "run", "directory of this run", stored=False, required=True
+        None, _RUN, "directory of this run", stored=False, required=True
     )
     checkpoint_every: int = _setting(
-        100,
-        "run",
-        "steps between checkpoints (and validations)",
-        stored=False,
-        check=("int", 1),
-        type=int,
+        100, _RUN, "steps between checkpoints (and validations)", stored=False, low=1
     )
     print_every: int = _setting(
-        50,
-        "run",
-        "steps between log lines (without a terminal)",
-        stored=False,
-        check=("int", 1),
-        type=int,
+        50, _RUN, "steps between log lines (without a terminal)", stored=False, low=1
     )
-    no_progress: bool = _setting(
-        False, "run", "plain log lines", stored=False, action="store_true"
-    )
+    no_progress: bool = _setting(False, _RUN, "plain log lines", stored=False)
     devices: int | str | None = _setting(
         None,
-        "run",
+        _RUN,
         "train data-parallel on the first N devices, or all of them (the batch size "
         "must be a multiple of the number)",
         stored=False,
@@ -338,11 +299,10 @@ class RunConfig:
     )
     distributed: bool = _setting(
         False,
-        "run",
+        _RUN,
         "join a multi-host run via jax.distributed.initialize (one process per "
         "host; see the docs' scaling page)",
         stored=False,
-        action="store_true",
     )
 
     # ------------------------------------------------------------ the flags
@@ -354,22 +314,20 @@ class RunConfig:
         groups = {
             name: parser.add_argument_group(f"{name} settings") for name in GROUPS
         }
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if meta["flag"] is None:
-                continue
-            kwargs = dict(meta["argparse"])
-            flags = [meta["flag"] or "--" + f.name.replace("_", "-")]
+        for f in _flagged(cls):
+            kwargs = dict(f.metadata["argparse"])
+            flags = ["--" + f.name.replace("_", "-")]
             if f.name == "data":
                 flags.append("--dataset")
                 kwargs["action"] = _DataAction
-            if "metavar" not in kwargs and kwargs.get("type") in (int, float):
-                kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
-            shown = meta["shown"] or _flag_value(f.default)
-            required = kwargs.get("required")
-            help = f"{meta['help']} ({'required' if required else 'default: ' + shown})"
-            groups[meta["group"]].add_argument(
-                *flags, dest=f.name, default=f.default, help=help, **kwargs
+            shown = f.metadata["shown"] or _flag_value(f.default)
+            ending = "required" if kwargs.get("required") else f"default: {shown}"
+            groups[f.metadata["group"]].add_argument(
+                *flags,
+                dest=f.name,
+                default=f.default,
+                help=f"{f.metadata['help']} ({ending})",
+                **kwargs,
             )
 
     @classmethod
@@ -380,21 +338,20 @@ class RunConfig:
     def check(self) -> None:
         """A `ValueError` naming the flag and the range of any setting out of its
         range, or of two settings that do not go together."""
+        ranges = {
+            "positive": (lambda v: v > 0, "a finite number > 0"),
+            "weight": (lambda v: v >= 0, "a finite weight >= 0"),
+            "fraction": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        }
         for f in dataclasses.fields(self):
-            kind = f.metadata["check"]
-            value = getattr(self, f.name)
-            if kind is None or value is None:
-                continue
+            value, low = getattr(self, f.name), f.metadata["low"]
             flag = "--" + f.name.replace("_", "-")
-            kind, low = kind
-            if kind == "int" and value < low:
+            if low is not None and value is not None and value < low:
                 raise ValueError(f"{flag} must be at least {low}.")
-            if kind == "positive" and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{flag} must be a finite number > 0; got {value}.")
-            if kind == "weight" and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{flag} must be a finite weight >= 0.")
-            if kind == "fraction" and not (math.isfinite(value) and 0 <= value < 1):
-                raise ValueError(f"{flag} must be in [0, 1); got {value}.")
+            if f.metadata["check"] is not None and value is not None:
+                ok, what = ranges[f.metadata["check"]]
+                if not (math.isfinite(value) and ok(value)):
+                    raise ValueError(f"{flag} must be {what}; got {value}.")
         if not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"--seed must fit in 64 bits; got {self.seed}.")
         if not (math.isfinite(self.test_fraction) and 0 < self.test_fraction < 1):
@@ -503,7 +460,7 @@ class RunConfig:
 
 
 def _flagged(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.metadata["flag"] is not None]
+    return [f for f in dataclasses.fields(cls) if f.metadata["flag"]]
 
 
 def _flag_value(value) -> str:

@@ -36,7 +36,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .._io import FileKindError, atomic_write, open_regular, read_exactly
@@ -401,7 +400,3 @@ def latest_good_checkpoint(directory: str, like, config=None, *, warn=print):
 
 def key_to_data(key) -> jax.Array:
     return jax.random.key_data(key)
-
-
-def data_to_key(data) -> jax.Array:
-    return jax.random.wrap_key_data(jnp.asarray(data))
