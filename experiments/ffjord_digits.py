@@ -49,7 +49,8 @@ from cnftrace.datasets import (
 )
 from experiments._common import (
     RESULTS,
-    atomic_savefig,
+    atomic_write,
+    figure_bytes,
     markdown_table,
     mean_and_stderr,
     progress,
@@ -79,7 +80,7 @@ def save_image_grid(path: str, images: np.ndarray, title: str) -> None:
     ax.imshow(grid, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
     ax.set_axis_off()
     ax.set_title(title, fontsize=9)
-    atomic_savefig(fig, path, dpi=120, bbox_inches="tight")
+    atomic_write(path, figure_bytes(fig, dpi=120, bbox_inches="tight"))
     plt.close(fig)
 
 
@@ -235,7 +236,7 @@ def main(argv=None):
         f"{test.shape[0]} test images, exact trace; bits/dim of the discrete pixels "
         "± standard error over test images.\n\n"
         + markdown_table(header, rows)
-        + f"\nModel: {flow.n_scales} scales, {len(flow.blocks)} CNF blocks, conv "
+        + f"\n\nModel: {flow.n_scales} scales, {len(flow.blocks)} CNF blocks, conv "
         f"hidden channels {hidden}, softplus, {n_params} parameters, Tsit5 at rtol = "
         f"atol = {args.tol:g}, learned end times {', '.join(f'{t:.2f}' for t in t1s)}."
         f"\nTraining: {steps_run} steps of {args.batch_size} (best validation at step "

@@ -222,7 +222,7 @@ def main(argv=None):
         f"FFJORD multiscale CNF on MNIST {shape}, {len(test_y)} test images "
         f"({trace}); bits/dim of the 8-bit pixels ± standard error.\n\n"
         + markdown_table(header, rows)
-        + f"\nTraining: {train_seconds / 60:.1f} min; test evaluation "
+        + f"\n\nTraining: {train_seconds / 60:.1f} min; test evaluation "
         f"{eval_seconds / 60:.1f} min.\n"
     )
     print(md)

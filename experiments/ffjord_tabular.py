@@ -541,7 +541,7 @@ def main(argv=None):
 
 def results_report(results, args, stem) -> str:
     rows = [row(r) for r in results]
-    md = describe(args) + "\n" + _common.markdown_table(HEADER, rows)
+    md = describe(args) + "\n" + _common.markdown_table(HEADER, rows) + "\n"
     if len(results) == 1:
         print(md)
     payload = {"args": vars(args), "results": results}
@@ -567,7 +567,7 @@ def timing_report(results, args, stem) -> str:
         ]
         for r in results
     ]
-    md = _common.markdown_table(header, rows)
+    md = _common.markdown_table(header, rows) + "\n"
     payload = {"args": vars(args), "timing": results}
     _common.write_results(os.path.join(args.out, stem), payload, md)
     return md

@@ -247,7 +247,7 @@ def table(results, recipe: str):
         "(experiments/toy_entropies.py), otherwise closed form. FFJORD published "
         "figures for these data sets, not numbers.\n\n"
     )
-    return intro + _common.markdown_table(header, rows)
+    return intro + _common.markdown_table(header, rows) + "\n"
 
 
 def figure(rows, path, lim=4.0):
@@ -271,7 +271,7 @@ def figure(rows, path, lim=4.0):
     for ax, title in zip(axes[0], titles):
         ax.set_title(title)
     fig.tight_layout()
-    _common.atomic_savefig(fig, path, dpi=110, bbox_inches="tight")
+    _common.atomic_write(path, _common.figure_bytes(fig, dpi=110, bbox_inches="tight"))
     plt.close(fig)
 
 

@@ -42,8 +42,7 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import KnownDensity, gaussian_mixture, rotated_product
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from experiments._common import RESULTS, atomic_write, markdown_table
 
 
 class Affine(KnownDensity):
@@ -278,13 +277,7 @@ def run_variant(cfg: dict, density, steps: int, seed: int, test) -> dict:
 
 def write_table(path_md: str, results: dict, title: str) -> None:
     base = results.get("mlp", {}).get("gap")
-    lines = [
-        f"**{title}**\n",
-        "Gap = flow NLL - true NLL on 20,000 held-out points (exact trace), ± its "
-        "paired standard error. Training seconds depend on the machine's load.\n",
-        "| variant | change from the base | gap (nats) | vs base | train s | NFE |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["gap"]):
         change = {
             k: v
@@ -293,13 +286,24 @@ def write_table(path_md: str, results: dict, title: str) -> None:
         }
         change = ", ".join(f"{k}={v}" for k, v in change.items()) or "(base)"
         rel = "" if base is None else f"{r['gap'] - base:+.4f}"
-        lines.append(
-            f"| {name} | {change} | {r['gap']:.4f} ± {r['gap_se']:.4f} | {rel} | "
-            f"{r['train_s']:.0f} | {r['nfe_last']} |"
-        )
-    with open(path_md + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(path_md + ".tmp", path_md)
+        gap = f"{r['gap']:.4f} ± {r['gap_se']:.4f}"
+        rows.append([name, change, gap, rel, f"{r['train_s']:.0f}", r["nfe_last"]])
+    header = [
+        "variant",
+        "change from the base",
+        "gap (nats)",
+        "vs base",
+        "train s",
+        "NFE",
+    ]
+    text = (
+        f"**{title}**\n\n"
+        "Gap = flow NLL - true NLL on 20,000 held-out points (exact trace), ± its "
+        "paired standard error. Training seconds depend on the machine's load.\n\n"
+        + markdown_table(header, rows)
+        + "\n"
+    )
+    atomic_write(path_md, text.encode())
 
 
 def main(argv=None):
@@ -354,9 +358,7 @@ def main(argv=None):
             f"nfe {r['nfe_last']}",
             flush=True,
         )
-        with open(stem + ".json.tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")
+        atomic_write(stem + ".json", json.dumps(results, indent=1).encode())
         write_table(stem + ".md", results, title)
     write_table(stem + ".md", results, title)
 

@@ -65,30 +65,31 @@ def run(data, steps, batch_size, lr, kinetic, jacobian, seed, test, width, depth
 
 def table(data, results, entropy):
     base = results[0]
-    lines = [
+    header = ["λ_K", "λ_J", "train NFE (end)", "eval NFE", "sample NFE", "NFE ratio"]
+    header += ["test NLL", "Δ NLL", "gap to entropy", "train s"]
+    rows = [
+        [
+            f"{r['kinetic_weight']:g}",
+            f"{r['jacobian_weight']:g}",
+            f"{r['train_nfe_end']:.1f}",
+            f"{r['eval_nfe']:.1f}",
+            f"{r['sample_nfe']:.0f}",
+            f"{base['train_nfe_end'] / r['train_nfe_end']:.2f}×",
+            f"{r['test_nll']:.4f} ± {r['test_stderr']:.4f}",
+            f"{r['delta_nll']:+.4f} ± {r['delta_stderr']:.4f}",
+            f"{r['test_nll'] - entropy:.4f}",
+            f"{r['train_seconds']:.0f}",
+        ]
+        for r in results
+    ]
+    return (
         f"RNODE on {data} (entropy {entropy:.4f} nats), {base['steps']} steps of "
         f"{base['batch_size']}; NFE per solve; NLL by the exact trace on "
-        f"{base['n_test']} test samples; Δ NLL paired against the unregularised run.",
-        "",
-        "| λ_K | λ_J | train NFE (end) | eval NFE | sample NFE | NFE ratio | test NLL "
-        "| Δ NLL | gap to entropy | train s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        ratio = base["train_nfe_end"] / r["train_nfe_end"]
-        lines.append(
-            f"| {r['kinetic_weight']:g} | {r['jacobian_weight']:g} "
-            f"| {r['train_nfe_end']:.1f} | {r['eval_nfe']:.1f} | {r['sample_nfe']:.0f} "
-            f"| {ratio:.2f}× | {r['test_nll']:.4f} ± {r['test_stderr']:.4f} "
-            f"| {r['delta_nll']:+.4f} ± {r['delta_stderr']:.4f} "
-            f"| {r['test_nll'] - entropy:.4f} | {r['train_seconds']:.0f} |"
-        )
-    lines += [
-        "",
+        f"{base['n_test']} test samples; Δ NLL paired against the unregularised run."
+        "\n\n" + _common.markdown_table(header, rows) + "\n\n"
         "Target (issue 6): at least 2× fewer NFE at a test NLL no more than 0.02 nats "
-        "worse than without regularisation.",
-    ]
-    return "\n".join(lines) + "\n"
+        "worse than without regularisation.\n"
+    )
 
 
 def main(argv=None):

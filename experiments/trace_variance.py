@@ -58,6 +58,7 @@ ESTIMATORS = (
     ("XTrace (Rad.)", lambda b: cnftrace.XTrace(b, "rademacher")),
 )
 LOGIT_ALPHA = 0.05  # FFJORD's image preprocessing
+SINGULAR_VALUES = (1, 2, 3, 5, 10, 20)  # the σ_j of the spectrum table
 
 
 def low_rank_plus_noise(key, n=100, rank=10, noise=1e-2):
@@ -164,10 +165,7 @@ def measure(label, operator, estimators, budgets, num_keys, key):
 
 def markdown(report) -> str:
     names = list(dict.fromkeys(row["estimator"] for row in report["rows"]))
-    lines = [
-        "| operator | tr(A) | B | " + " | ".join(names) + " | max abs(bias)/SE |",
-        "|---|---:|---:|" + "---:|" * len(names) + "---:|",
-    ]
+    variances = []
     by_key = {}
     for row in report["rows"]:
         by_key.setdefault((row["operator"], row["budget"]), []).append(row)
@@ -177,26 +175,28 @@ def markdown(report) -> str:
         for row in rows[1:]:
             cells.append(f"{row['variance']:.3g} ({row['variance'] / base:.2g}x)")
         worst = max(abs(r["bias_over_se"]) for r in rows)
-        lines.append(
-            f"| {operator} | {rows[0]['exact']:.4g} | {budget} | "
-            + " | ".join(cells)
-            + f" | {worst:.1f} |"
+        variances.append(
+            [operator, f"{rows[0]['exact']:.4g}", budget, *cells, f"{worst:.1f}"]
+        )
+    spectra = []
+    for name, info in report["operators"].items():
+        sv = info["singular_values"] + [0.0] * 20
+        picked = [f"{sv[j - 1]:.2g}" for j in SINGULAR_VALUES]
+        spectra.append(
+            [name, info["size"], f"{info['trace']:.4g}", f"{info['frobenius']:.3g}"]
+            + picked
         )
     cfg, cnf = report["config"], report["cnf"]
     trained = f"trained for {cnf['steps']} steps" if cnf["steps"] else "untrained"
-    lines += [
+    header = ["operator", "tr(A)", "B", *names, "max abs(bias)/SE"]
+    spectrum_header = ["operator", "n", "tr(A)", "Frobenius"]
+    spectrum_header += [f"σ{j}" for j in SINGULAR_VALUES]
+    lines = [
+        _common.markdown_table(header, variances, "l" + "r" * (len(header) - 1)),
         "",
-        "| operator | n | tr(A) | Frobenius | σ1 | σ2 | σ3 | σ5 | σ10 | σ20 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, info in report["operators"].items():
-        sv = info["singular_values"] + [0.0] * 20
-        picked = " | ".join(f"{sv[j - 1]:.2g}" for j in (1, 2, 3, 5, 10, 20))
-        lines.append(
-            f"| {name} | {info['size']} | {info['trace']:.4g} | "
-            f"{info['frobenius']:.3g} | {picked} |"
-        )
-    lines += [
+        _common.markdown_table(
+            spectrum_header, spectra, "l" + "r" * (len(spectrum_header) - 1)
+        ),
         "",
         f"Empirical variance over {cfg['num_keys']} keys (ratio to Hutchinson with the "
         "same number of matrix-vector products in brackets); the last column is the "

@@ -21,6 +21,7 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import toy_sample
+from experiments._common import time_call
 from experiments.bench import common
 
 
@@ -95,17 +96,6 @@ def cnftrace_b1(
     }
 
 
-def _median_time(fn, *args, repeats: int = 50) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def evaluation_costs(estimator: str, batch: int = common.B1_BATCH) -> dict:
     """Seconds per bare jitted evaluation of B1's network at `batch` samples: `f`,
     `f` with the divergence (forward mode, as in the solve), and the gradient with
@@ -136,10 +126,15 @@ def evaluation_costs(estimator: str, batch: int = common.B1_BATCH) -> dict:
 
         return eqx.filter_grad(inner)(term, y)
 
+    calls = {
+        "f": (plain, flow.vector_field, z),
+        "f_div": (with_div, term, y, args),
+        "grad_f_div": (backward, term, y, args),
+    }
+    # The median wall time of 50 single calls, after the one that compiles.
     return {
-        "f": _median_time(plain, flow.vector_field, z),
-        "f_div": _median_time(with_div, term, y, args),
-        "grad_f_div": _median_time(backward, term, y, args),
+        name: time_call(*call, repeats=50, min_seconds=0)[0]
+        for name, call in calls.items()
     }
 
 

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import diffrax
 import equinox as eqx
@@ -37,6 +37,7 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import toy_sample
+from experiments._common import markdown_table, time_call
 from experiments.bench import b1, common
 
 DTYPE = jnp.float32
@@ -62,39 +63,6 @@ _estimator = b1.make_estimator
 
 def _field(dim: int, width: int, depth: int, seed: int) -> cnftrace.ConcatSquashMLP:
     return cnftrace.ConcatSquashMLP(dim, width, depth, key=jr.key(seed), dtype=DTYPE)
-
-
-def time_call(
-    fn: Callable, *args, repeats: int = 7, min_seconds: float = 0.05
-) -> tuple[float, float]:
-    """`(wall, cpu)`: medians over `repeats` of the wall and the process CPU seconds
-    of one call of `fn(*args)`.
-
-    The first call (compilation) is not timed. Each repeat runs the call often enough
-    to last about `min_seconds`, so that short calls are not lost in timer noise. On
-    a shared machine the CPU time (all threads of this process) is the steadier
-    measure of the work done; the wall time is what a user waits.
-    """
-    jax.block_until_ready(fn(*args))
-
-    def run(number: int) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(number):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        return time.perf_counter() - wall, time.process_time() - cpu
-
-    number = 1
-    while True:
-        elapsed, _ = run(number)
-        if elapsed >= min_seconds or number >= 10_000:
-            break
-        number *= max(2, min(10, math.ceil(min_seconds / max(elapsed, 1e-9))))
-    runs = [run(number) for _ in range(repeats)]
-    return (
-        statistics.median(w for w, _ in runs) / number,
-        statistics.median(c for _, c in runs) / number,
-    )
 
 
 def log_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -461,13 +429,8 @@ def _fmt(value) -> str:
 
 def table(rows: list[dict], columns: Sequence[tuple[str, str]]) -> str:
     """A markdown table of `rows`, with `columns` as `(key, header)` pairs."""
-    lines = [
-        "| " + " | ".join(h for _, h in columns) + " |",
-        "|" + "|".join("---:" for _ in columns) + "|",
-    ]
-    for r in rows:
-        lines.append("| " + " | ".join(_fmt(r[k]) for k, _ in columns) + " |")
-    return "\n".join(lines)
+    cells = [[_fmt(r[k]) for k, _ in columns] for r in rows]
+    return markdown_table([h for _, h in columns], cells, "r" * len(columns))
 
 
 def divergence_table(rows: list[dict]) -> str:

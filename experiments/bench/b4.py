@@ -39,7 +39,7 @@ from cnftrace.datasets import (
     toy_log_prob,
     toy_sample,
 )
-from experiments._common import RESULTS as RESULTS_DIR, atomic_write
+from experiments._common import RESULTS as RESULTS_DIR, atomic_write, markdown_table
 
 TEST_SEED = 4040
 DENSITIES = ("product5", "mixture12", "8gaussians", "checkerboard", "rings")
@@ -204,21 +204,19 @@ def run_b4(
 
 
 def b4_markdown(res: dict) -> str:
-    lines = [
-        "| density | d | steps × batch | cnftrace gap | cnftrace s | zuko gap (equal "
-        "steps) | zuko s | zuko gap at cnftrace's seconds (its step) | equal steps "
-        "| equal seconds | measured |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|",
-    ]
+    rows = []
     for name, row in res.items():
         ours, peer = row["cnftrace"], row["zuko"]
-        head = (
-            f"| {name} | {row['dim']} | {row['steps']} × {row['batch']} | "
-            f"{ours['gap']:.4f} ± {ours['gap_se']:.4f} | {ours['train_s']:.0f} |"
-        )
+        head = [
+            name,
+            row["dim"],
+            f"{row['steps']} × {row['batch']}",
+            f"{ours['gap']:.4f} ± {ours['gap_se']:.4f}",
+            f"{ours['train_s']:.0f}",
+        ]
         when = row.get("measured", "—")
         if "missing" in peer:
-            lines.append(head + f" zuko not run: {peer['missing']} | | | | | {when} |")
+            rows.append(head + [f"zuko not run: {peer['missing']}", *[""] * 4, when])
             continue
         at = peer["at_cnftrace_s"]
         secs_ok = ours["gap"] < at["gap"]
@@ -228,12 +226,22 @@ def b4_markdown(res: dict) -> str:
         else:
             equal_steps = f"{peer['gap']:.4f} ± {peer['gap_se']:.4f}"
             steps_winner = "cnftrace" if ours["gap"] <= peer["gap"] else "zuko"
-        lines.append(
-            head + f" {equal_steps} | {peer['train_s']:.0f} | {at['gap']:.4f} ± "
-            f"{at['gap_se']:.4f} ({at['step']}) | {steps_winner} | "
-            f"{'cnftrace' if secs_ok else 'zuko'} | {when} |"
+        rows.append(
+            head
+            + [
+                equal_steps,
+                f"{peer['train_s']:.0f}",
+                f"{at['gap']:.4f} ± {at['gap_se']:.4f} ({at['step']})",
+                steps_winner,
+                "cnftrace" if secs_ok else "zuko",
+                when,
+            ]
         )
-    return "\n".join(lines)
+    header = ["density", "d", "steps × batch", "cnftrace gap", "cnftrace s"]
+    header += ["zuko gap (equal steps)", "zuko s"]
+    header += ["zuko gap at cnftrace's seconds (its step)", "equal steps"]
+    header += ["equal seconds", "measured"]
+    return markdown_table(header, rows, "lrlrrrrrlll")
 
 
 RESULTS_STEM = os.path.join(RESULTS_DIR, "b4")

@@ -31,6 +31,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
+from experiments._common import atomic_write, markdown_table  # noqa: E402
+
 ESTIMATORS = ("hutchinson", "exact")
 TARGETS = {"cold": 5.0, "warm": 1.0}
 
@@ -73,21 +75,23 @@ def first_steps(estimators=ESTIMATORS, warm_runs: int = 2) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [
-        "| estimator | cache | first step (s) | process start to end of first step (s) "
-        "| target |",
-        "|---|---|---:|---:|---|",
-    ]
+    rows = []
     for estimator, r in results.items():
         runs = [("cold", r["cold"])] + [("warm", w) for w in r["warm"]]
         for kind, run in runs:
             ok = run["first_step_s"] <= TARGETS[kind]
-            lines.append(
-                f"| {estimator} | {kind} | {run['first_step_s']:.2f} | "
-                f"{run['since_start_s']:.2f} | ≤ {TARGETS[kind]:g} s: "
-                f"{'met' if ok else '**missed**'} |"
+            rows.append(
+                [
+                    estimator,
+                    kind,
+                    f"{run['first_step_s']:.2f}",
+                    f"{run['since_start_s']:.2f}",
+                    f"≤ {TARGETS[kind]:g} s: {'met' if ok else '**missed**'}",
+                ]
             )
-    return "\n".join(lines)
+    header = ["estimator", "cache", "first step (s)"]
+    header += ["process start to end of first step (s)", "target"]
+    return markdown_table(header, rows, "llrrl")
 
 
 def main(argv=None) -> int:
@@ -109,8 +113,6 @@ def main(argv=None) -> int:
     results = first_steps(estimators, args.warm_runs)
     print(markdown(results))
     if args.json:
-        from experiments._common import atomic_write
-
         atomic_write(args.json, json.dumps(results, indent=1).encode())
     return 0
 

@@ -129,7 +129,7 @@ def markdown(
         f"B1's model, batch {batch_size}, median step after warm-up, best of "
         f"{rounds} round(s), each listed (their spread is the noise of the machine); "
         f"{where}. The NFE column shows that every device count does the same "
-        "work.\n\n" + table
+        "work.\n\n" + table + "\n"
     )
 
 

@@ -26,7 +26,7 @@ import sys
 import jax
 
 import cnftrace
-from experiments._common import atomic_write
+from experiments._common import atomic_write, markdown_table
 from experiments.bench import b1, b2, b3, b4, common
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -137,68 +137,73 @@ def _ratio(peer: dict | None, ours: dict) -> str:
     return "—" if peer is None else f"{peer['s_per_iter'] / ours['s_per_iter']:.2f}×"
 
 
+_B1_HEADER = ["s/iter", "first step (s)", "NFE fwd", "NFE bwd"]
+
+
+def _b1_cells(r: dict) -> list[str]:
+    """A B1 run's s/iter, first step and NFE forward and backward."""
+    return [
+        f"{r['s_per_iter']:.4f}",
+        f"{r['first_step_s']:.2f}",
+        f"{r['nfe_fwd']:.1f}",
+        f"{r['nfe_bwd']:.1f}",
+    ]
+
+
 def b1_markdown(res: dict) -> str:
     peers = [n for n in B1_SYSTEMS if n != "cnftrace"]
-    blank = "| " * len(peers)
-    lines = [
-        "| estimator | system | s/iter | first step (s) | NFE fwd | NFE bwd | "
-        + " | ".join(f"{B1_LABELS[n]} / cnftrace" for n in peers)
-        + " |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * len(peers),
-    ]
+    rows = []
     for est, entry in res.items():
         ours = entry["cnftrace"]
-        ratios = " | ".join(_ratio(entry[n], ours) for n in peers)
+        ratios = [_ratio(entry[n], ours) for n in peers]
         for name in B1_SYSTEMS:
             r = entry[name]
             if r is None:
-                lines.append(f"| {est} | {_missing(name)} | | | | | {blank}")
-                continue
-            lines.append(
-                f"| {est} | {r['system']} | {r['s_per_iter']:.4f} | "
-                f"{r['first_step_s']:.2f} | {r['nfe_fwd']:.1f} | {r['nfe_bwd']:.1f} | "
-                + (f"{ratios} |" if r is ours else blank)
-            )
+                rows.append([est, _missing(name)] + [""] * (4 + len(peers)))
+            else:
+                extra = ratios if r is ours else [""] * len(peers)
+                rows.append([est, r["system"], *_b1_cells(r), *extra])
+    header = ["estimator", "system", *_B1_HEADER]
+    header += [f"{B1_LABELS[n]} / cnftrace" for n in peers]
+    parts = [markdown_table(header, rows, "llrrrr" + "r" * len(peers))]
     repeats = len(next(iter(res.values()))["runs"])
     if repeats > 1:
-        lines += [
-            "",
+        runs = [
+            [est, i, r["system"], *_b1_cells(r)]
+            for est, entry in res.items()
+            for i, round_ in enumerate(entry["runs"], 1)
+            for r in (round_[name] for name in B1_SYSTEMS)
+            if r is not None
+        ]
+        parts += [
             f"Medians of {repeats} runs above; each run below, in the order they ran "
             "(the systems alternated):",
-            "",
-            "| estimator | round | system | s/iter | first step (s) | NFE fwd "
-            "| NFE bwd |",
-            "|---|---:|---|---:|---:|---:|---:|",
+            markdown_table(
+                ["estimator", "round", "system", *_B1_HEADER], runs, "lrlrrrr"
+            ),
         ]
-        for est, entry in res.items():
-            for i, round_ in enumerate(entry["runs"], 1):
-                for name in B1_SYSTEMS:
-                    r = round_[name]
-                    if r is None:
-                        continue
-                    lines.append(
-                        f"| {est} | {i} | {r['system']} | {r['s_per_iter']:.4f} | "
-                        f"{r['first_step_s']:.2f} | {r['nfe_fwd']:.1f} | "
-                        f"{r['nfe_bwd']:.1f} |"
-                    )
-    lines += [
-        "",
-        "Compute floor (bare jitted evaluations of the same network at the same batch,"
-        " times cnftrace's measured NFE):",
-        "",
-        "| estimator | f (µs) | f + divergence (µs) | gradient of f + divergence (µs) "
-        "| floor (s/iter) | real / floor |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    floors = []
     for est, entry in res.items():
         ours = entry["cnftrace"]
         c = ours["costs"]
-        lines.append(
-            f"| {est} | {c['f'] * 1e6:.0f} | {c['f_div'] * 1e6:.0f} | "
-            f"{c['grad_f_div'] * 1e6:.0f} | {ours['floor_s']:.4f} | "
-            f"{ours['s_per_iter'] / ours['floor_s']:.2f} |"
+        floors.append(
+            [
+                est,
+                f"{c['f'] * 1e6:.0f}",
+                f"{c['f_div'] * 1e6:.0f}",
+                f"{c['grad_f_div'] * 1e6:.0f}",
+                f"{ours['floor_s']:.4f}",
+                f"{ours['s_per_iter'] / ours['floor_s']:.2f}",
+            ]
         )
-    return "\n".join(lines)
+    header = ["estimator", "f (µs)", "f + divergence (µs)"]
+    header += ["gradient of f + divergence (µs)", "floor (s/iter)", "real / floor"]
+    parts += [
+        "Compute floor (bare jitted evaluations of the same network at the same batch,"
+        " times cnftrace's measured NFE):",
+        markdown_table(header, floors, "lrrrrr"),
+    ]
+    return "\n\n".join(parts)
 
 
 SECTIONS = ("b1", "b2", "b2fm", "b3", "b4")
@@ -239,50 +244,55 @@ def run_b2_objectives(budgets: dict, eval_every: float, test_size: int) -> dict:
     return out
 
 
-def b2_objectives_markdown(res: dict) -> str:
-    lines = [
-        "| data | objective | budget | ≤ 0.15 nats | ≤ 0.05 nats | best gap | steps "
-        "| NFE of log_prob | NFE of sample |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+_B2_HEADER = ["budget", "≤ 0.15 nats", "≤ 0.05 nats", "best gap", "steps"]
+
+
+def _b2_cells(r: dict, budget_s: float) -> list[str]:
+    """A B2 run's budget, times to the two gaps, best gap and steps."""
+    ttg = {float(k): v for k, v in r["time_to_gap"].items()}
+    return [
+        f"{budget_s:.0f} s",
+        _fmt_s(ttg[0.15]),
+        _fmt_s(ttg[0.05]),
+        f"{r['best_gap']:.3f}",
+        r["steps"],
     ]
+
+
+def b2_objectives_markdown(res: dict) -> str:
+    rows = []
     for dataset, entry in res.items():
         for objective in OBJECTIVES:
             r = entry[objective]
-            ttg = {float(k): v for k, v in r["time_to_gap"].items()}
-            lines.append(
-                f"| {dataset} | {objective} | {entry['budget_s']:.0f} s | "
-                f"{_fmt_s(ttg[0.15])} | {_fmt_s(ttg[0.05])} | {r['best_gap']:.3f} | "
-                f"{r['steps']} | {r['nfe_log_prob']:.0f} | {r['nfe_sample']} |"
+            rows.append(
+                [dataset, objective, *_b2_cells(r, entry["budget_s"])]
+                + [f"{r['nfe_log_prob']:.0f}", r["nfe_sample"]]
             )
-    return "\n".join(lines)
+    header = ["data", "objective", *_B2_HEADER, "NFE of log_prob", "NFE of sample"]
+    return markdown_table(header, rows, "llrrrrrrr")
 
 
 def b2_markdown(res: dict) -> str:
-    lines = [
-        "| data | system | budget | ≤ 0.15 nats | ≤ 0.05 nats | best gap | steps "
-        "| test set's true-density NLL |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for dataset, entry in res.items():
         for r in (entry["cnftrace"], entry["zuko"]):
             if r is None:
-                lines.append(f"| {dataset} | {ZUKO_MISSING} | | | | | | |")
+                rows.append([dataset, ZUKO_MISSING] + [""] * 6)
                 continue
-            ttg = {float(k): v for k, v in r["time_to_gap"].items()}
             true = r.get("test_true_nll")
-            lines.append(
-                f"| {dataset} | {r['system']} | {entry['budget_s']:.0f} s | "
-                f"{_fmt_s(ttg[0.15])} | {_fmt_s(ttg[0.05])} | {r['best_gap']:.3f} | "
-                f"{r['steps']} | {'—' if true is None else f'{true:.3f}'} |"
+            rows.append(
+                [dataset, r["system"], *_b2_cells(r, entry["budget_s"])]
+                + ["—" if true is None else f"{true:.3f}"]
             )
-    return "\n".join(lines)
+    header = ["data", "system", *_B2_HEADER, "test set's true-density NLL"]
+    return markdown_table(header, rows, "llrrrrrr")
 
 
 def targets_markdown(b1_res, b2_res, b3_res) -> str:
     rows = []
     if b1_res:
         for est in ("hutchinson", "exact"):
-            ours, peer = b1_res[est]["cnftrace"], b1_res[est]["zuko"]
+            ours = b1_res[est]["cnftrace"]
             s = ours["s_per_iter"]
             rows.append(
                 (f"B1 {est} s/iter ≤ {TARGETS[est]}", f"{s:.4f}", s <= TARGETS[est])
@@ -295,25 +305,20 @@ def targets_markdown(b1_res, b2_res, b3_res) -> str:
                     ours["nfe_fwd"] <= max(PEER_NFE.values()),
                 )
             )
-            if peer is not None:
-                ratio = peer["s_per_iter"] / s
-                rows.append(
-                    (
-                        f"B1 {est} ≥ {TARGETS['speedup']:.0f}× faster than zuko",
-                        f"{ratio:.2f}×",
-                        ratio >= TARGETS["speedup"],
+            for name, label, target in (
+                ("zuko", "zuko", TARGETS["speedup"]),
+                ("tfp", "TFP (JAX)", TARGETS["speedup_tfp"]),
+            ):
+                peer = b1_res[est].get(name)
+                if peer is not None:
+                    ratio = peer["s_per_iter"] / s
+                    rows.append(
+                        (
+                            f"B1 {est} ≥ {target:g}× faster than {label}",
+                            f"{ratio:.2f}×",
+                            ratio >= target,
+                        )
                     )
-                )
-            tfp = b1_res[est].get("tfp")
-            if tfp is not None:
-                ratio = tfp["s_per_iter"] / s
-                rows.append(
-                    (
-                        f"B1 {est} ≥ {TARGETS['speedup_tfp']}× faster than TFP (JAX)",
-                        f"{ratio:.2f}×",
-                        ratio >= TARGETS["speedup_tfp"],
-                    )
-                )
             first = ours["first_step_s"]
             rows.append(
                 (
@@ -361,9 +366,8 @@ def targets_markdown(b1_res, b2_res, b3_res) -> str:
                 mem["temp_exponent"] < 1,
             )
         )
-    lines = ["| target | measured | |", "|---|---|---|"]
-    lines += [f"| {name} | {value} | {_mark(ok)} |" for name, value, ok in rows]
-    return "\n".join(lines)
+    cells = [[name, value, _mark(ok)] for name, value, ok in rows]
+    return markdown_table(["target", "measured", ""], cells)
 
 
 def machine() -> str:
