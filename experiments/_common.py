@@ -105,27 +105,20 @@ def environment() -> dict:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Writes `data` to `path` by way of a temporary file beside it (fsynced, with the
-    mode of a file opened normally, not mkstemp's 0600) and a rename, then fsyncs the
-    directory: a crash leaves the old file or the new one, never half of one. Makes
-    the missing parent directories."""
+    """Writes `data` to `path` by way of a temporary file beside it and a rename, so
+    a killed script never leaves half a report or figure (no fsync: a result can be
+    computed again). The file gets the mode of one opened normally, not mkstemp's
+    0600. Makes the missing parent directories."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         with os.fdopen(fd, "wb") as f:
-            umask = os.umask(0)
-            os.umask(umask)
             os.fchmod(f.fileno(), 0o666 & ~umask)
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -141,7 +134,7 @@ def figure_bytes(fig, format: str = "png", **kwargs) -> bytes:
 
 def write_results(stem: str, payload: dict, markdown: str) -> None:
     """Writes `<stem>.json` (`payload` and the `environment()`) and `<stem>.md`,
-    each by `atomic_write` (temp file, fsync, rename)."""
+    each by `atomic_write` (a temporary file, then a rename)."""
     payload = dict(payload, environment=environment())
     atomic_write(stem + ".json", json.dumps(payload, indent=2).encode())
     atomic_write(stem + ".md", markdown.encode())
