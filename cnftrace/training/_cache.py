@@ -51,9 +51,8 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     `JAX_COMPILATION_CACHE_MAX_SIZE` override both). A compiled program is found
     again only by a process with the same flow structure, shapes, dtypes and jax
     version; one that holds a host callback (`jax.debug.print`, `eqx.error_if`) is
-    never stored. With the cache on, `fit` also stores its traced training step in
-    the cache directory (see `docs/training.md`, "Compiling once"), for models made of
-    cnftrace's own parts.
+    never stored: `fit`'s step and the flows' methods called on data hold none (see
+    `docs/training.md`, "Compiling once").
 
     !!! example
 
