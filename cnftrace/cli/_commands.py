@@ -22,12 +22,8 @@ from ._data import list_datasets, run_source, score_report, write_samples
 def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
     """A trained run and its data source (for a run on a data file, `None` unless
     `need_data`: sampling needs no data). The checkpoints skipped on the way are
-    reported, one line each."""
-    if not os.path.isdir(run_dir):
-        raise training.CheckpointError(
-            f"{run_dir} is not a cnftrace run directory (no config.json). Create one "
-            "with `cnftrace train --run-dir DIR`."
-        )
+    reported, one line each; `load_run` says what is missing from a directory that
+    is not a run's."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run = load_run(run_dir)

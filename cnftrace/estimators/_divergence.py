@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._custom_types import Key
-from ._base import AbstractEstimator, check_floating
+from ._base import AbstractEstimator, check_estimator, check_floating
 from ._exact import Exact
 
 
@@ -51,11 +51,7 @@ def divergence(
     """
     y = jnp.asarray(y)
     check_floating(y, "y")
-    if not isinstance(estimator, AbstractEstimator):
-        raise TypeError(
-            "`estimator` must be a cnftrace estimator such as `cnftrace.Exact()` or "
-            f"`cnftrace.Hutchinson()`; got {type(estimator).__name__}."
-        )
+    check_estimator(estimator)
     out = jax.eval_shape(fn, y)
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != y.shape:
         got = out.shape if isinstance(out, jax.ShapeDtypeStruct) else out

@@ -449,14 +449,12 @@ class RunConfig:
         """The stored settings where `other` (a run already in the directory)
         differs from this one, as `name: other's value there, this one now`; the
         data file is compared by the caller, by content."""
-        out = []
-        for name, value in self.stored().items():
-            if name == "data_file":
-                continue
-            old = other.stored()[name]
-            if not same_value(old, value):
-                out.append(f"{name}: {old!r} there, {value!r} now")
-        return out
+        there = other.stored()
+        return [
+            f"{name}: {there[name]!r} there, {value!r} now"
+            for name, value in self.stored().items()
+            if name != "data_file" and not same_value(there[name], value)
+        ]
 
 
 def _flagged(cls) -> list[dataclasses.Field]:
