@@ -46,6 +46,21 @@ def check_key(name: str, key) -> None:
     )
 
 
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of an integer seed of up to 64 bits (`-2**63 <= seed < 2**64`).
+
+    `jax.random.key(seed)` keeps only the low 32 bits of a seed without 64-bit mode
+    (so 0 and `2**32` would give one key): seeds in `[0, 2**32)` get that key, and
+    any other seed the key of its low 32 bits with its high 32 bits folded in (as an
+    unsigned 64-bit number), so that seeds differing anywhere give other keys."""
+    if not is_int(seed) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"a seed must be an integer of up to 64 bits; got {seed!r}.")
+    value = int(seed) % 2**64
+    low, high = value & 0xFFFFFFFF, value >> 32
+    key = jax.random.key(np.uint32(low))
+    return key if high == 0 else jax.random.fold_in(key, np.uint32(high))
+
+
 def check_weight(name: str, value) -> None:
     """A `TypeError` unless `value` is a number, a `ValueError` unless it is finite
     and `>= 0`."""

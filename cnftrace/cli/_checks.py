@@ -94,6 +94,24 @@ def check_model_fits_in_memory(config) -> None:
         )
 
 
+def check_probes_fit_in_memory(config, dim: int) -> None:
+    """A `UsageError` when the probes of a stochastic trace estimator cannot fit:
+    each of the `--num-probes` probes is an array the size of the batch, carried
+    through the solve with its tangent, so at least ten such arrays per probe."""
+    if config.estimator == "exact" or config.objective != "mle":
+        return  # no probes drawn
+    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
+    need = 10 * config.num_probes * config.batch_size * dim * itemsize
+    limit, what = memory_limit()
+    if need > limit:
+        raise UsageError(
+            f"--num-probes {config.num_probes} cannot fit: that many probes for a "
+            f"batch of {config.batch_size} samples of dimension {dim} need at least "
+            f"{need / 2**30:.3g} GiB, more than the {limit / 2**30:.3g} GiB of {what}. "
+            "Use fewer probes (1 is the default), or --estimator exact."
+        )
+
+
 def check_fits_in_memory(flag: str, n: int, dim: int) -> None:
     """A `UsageError` when `n` samples of size `dim` cannot fit: an ODE solve keeps
     at least ten arrays the size of the batch (the state, its probes and the solver's

@@ -11,6 +11,7 @@ import jax.random as jr
 import numpy as np
 
 from .. import training
+from .._checks import seed_key
 from .._io import atomic_write
 from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
@@ -121,7 +122,7 @@ def cmd_plot(args) -> int:
     paths = []
     if source.kind == "toy":
         data = source.test(args.seed, 20_000)
-        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 20_000))
+        samples = np.asarray(flow.sample(seed_key(args.seed + 1), 20_000))
         paths.append(
             plot_flow_2d(
                 flow,
@@ -132,7 +133,7 @@ def cmd_plot(args) -> int:
             )
         )
     elif source.kind == "images":
-        samples = np.asarray(flow.sample(jr.key(args.seed + 1), 64))
+        samples = np.asarray(flow.sample(seed_key(args.seed + 1), 64))
         paths.append(
             plot_image_grid(
                 digits_from_logit(samples).reshape(64, *source.image_shape),
@@ -142,7 +143,7 @@ def cmd_plot(args) -> int:
         )
     else:  # a table: the test rows beside as many samples, pair by pair
         data = source.test(args.seed, 0)
-        samples = np.asarray(flow.sample(jr.key(args.seed + 1), data.shape[0]))
+        samples = np.asarray(flow.sample(seed_key(args.seed + 1), data.shape[0]))
         names = (config.data_file or {}).get("names")
         paths.append(
             plot_samples(

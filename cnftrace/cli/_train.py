@@ -22,6 +22,7 @@ import jax
 import jax.random as jr
 
 from .. import training
+from .._checks import seed_key
 from .._io import atomic_write
 from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
 from ..training import (
@@ -38,6 +39,7 @@ from ._checks import (
     UsageError,
     check_fits_in_memory,
     check_model_fits_in_memory,
+    check_probes_fit_in_memory,
     check_run_dir,
 )
 from ._data import changed_files, training_source
@@ -52,7 +54,8 @@ def cmd_train(args) -> int:
     config = dataclasses.replace(config, **pinned)
     check_fits_in_memory("--batch-size", config.batch_size, source.dim)
     check_model_fits_in_memory(config)
-    model_key, train_key = jr.split(jr.key(config.seed))
+    check_probes_fit_in_memory(config, source.dim)
+    model_key, train_key = jr.split(seed_key(config.seed))
     # Everything is checked (the model too) before anything is written.
     flow = run_flow(config, model_key, source.dim)
     settings = dict(

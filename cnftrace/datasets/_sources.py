@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
+from .._checks import seed_key
 from ..flows import Standardization
 from ._files import TABLE_FORMATS, Table, read_table, split_table
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
@@ -163,7 +164,8 @@ def _images(name, splits, image_shape, n_levels, validation_rows=None):
 
     def fixed(split, seed, n=None):
         split = split.reshape(split.shape[0], -1)[:n].astype(np.float64)
-        x = dequantize(split, np.random.default_rng(seed), n_levels)
+        # A 64-bit seed, negative ones too (NumPy takes only non-negative ones).
+        x = dequantize(split, np.random.default_rng(seed % 2**64), n_levels)
         return logit_transform(x, LOGIT_ALPHA)
 
     def test(seed, n):  # the digits' whole test split; at most n MNIST images
@@ -248,7 +250,7 @@ def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> Data
             2,
             lambda k, n: toy_sample(name, k, n),
             None,
-            lambda seed, n: np.asarray(toy_sample(name, jr.key(seed), n)),
+            lambda seed, n: np.asarray(toy_sample(name, seed_key(seed), n)),
             lambda seed, n: np.zeros(n),
             "toy",
         )
