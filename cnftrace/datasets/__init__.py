@@ -15,6 +15,7 @@ from ._known import (
     KnownDensity as KnownDensity,
     gaussian_mixture as gaussian_mixture,
     rotated_product as rotated_product,
+    warped_product as warped_product,
 )
 from ._mnist import (
     MNIST_FILES as MNIST_FILES,
@@ -93,6 +94,7 @@ __all__ = [
     "read_idx",
     "read_table",
     "rotated_product",
+    "warped_product",
     "split_table",
     "toy_entropy",
     "toy_entropy_is_exact",
