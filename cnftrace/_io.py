@@ -23,7 +23,8 @@ def default_mode(path: str) -> None:
 def atomic_write(path: str, data: bytes, suffix: str = "") -> None:
     """Writes `data` to `path` by way of a temporary file beside it (fsynced) and a
     rename, then fsyncs the directory: a crash leaves the old file or the new one,
-    never half of one. Makes the missing parent directories."""
+    never half of one. Makes the missing parent directories. An `OSError` names
+    `path`, never the temporary file (which is removed)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
@@ -31,23 +32,29 @@ def atomic_write(path: str, data: bytes, suffix: str = "") -> None:
             f"cannot write {path}: something that is not a regular file has its name "
             "(a directory, a link, a FIFO?); move it away."
         )
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
         default_mode(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        tmp = None
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as e:
+        if isinstance(e, FileKindError) or e.errno is None:
+            raise
+        # The temporary file's name would mislead: the error is the target's.
+        raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
-        raise
 
 
 def read_regular_file(path: str, limit: int | None = None) -> bytes:
@@ -84,10 +91,11 @@ class open_regular:
             os.close(self.fd)
 
 
-def check_regular(mode: int, path: str) -> None:
-    if stat.S_ISREG(mode):
-        return
+def file_kind(mode: int) -> str:
+    """What a file of `mode` (`os.lstat(path).st_mode`) is, in words: "a regular
+    file", "a directory", "a FIFO", ..."""
     kinds = [
+        (stat.S_ISREG, "a regular file"),
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -95,8 +103,14 @@ def check_regular(mode: int, path: str) -> None:
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISSOCK, "a socket"),
     ]
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    raise FileKindError(f"{path} is {kind}, not a regular file; it is not read.")
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def check_regular(mode: int, path: str) -> None:
+    if not stat.S_ISREG(mode):
+        raise FileKindError(
+            f"{path} is {file_kind(mode)}, not a regular file; it is not read."
+        )
 
 
 def read_exactly(fd: int, n: int, path: str) -> bytes:

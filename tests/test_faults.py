@@ -242,12 +242,14 @@ def test_4_kill_and_resume_logs_every_step_exactly_once(tmp_path, capsys):
     assert f"{run} had already trained 30 steps; final loss" in capsys.readouterr().out
     with open(metrics) as f:
         assert len(f.readlines()) == 30  # nothing logged again
-    # `cnftrace plot` reads each step once, even from a log written with repeats.
+    # `cnftrace plot` reads each step once, even from a log written with repeats:
+    # its first record (a later one never replaces it), and no torn last line.
+    third = read_metrics(run)[2]
     with open(metrics, "a") as f:
-        f.write(json.dumps({"step": 3, "loss": 0.0}) + "\n" + '{"step": 4, "lo')
+        f.write(json.dumps(dict(third, loss=0.0)) + "\n" + '{"step": 4, "lo')
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(1, 31))
-    assert records[2]["loss"] == 0.0
+    assert records[2] == third
 
 
 # 5. Settings are checked before anything is written; NaN equals NaN.

@@ -4,6 +4,7 @@ a trained run, and the list of data sets."""
 import json
 import math
 import os
+import stat
 import sys
 import warnings
 
@@ -12,11 +13,11 @@ import numpy as np
 
 from .. import training
 from .._checks import seed_key
-from .._io import atomic_write
+from .._io import atomic_write, file_kind
 from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
 from ..training import evaluate_nll
-from ._checks import check_fits_in_memory
+from ._checks import CommandFailed, check_fits_in_memory
 from ._data import list_datasets, run_source, score_report, write_samples
 
 
@@ -47,7 +48,35 @@ def cmd_datasets(args) -> int:
     return 0
 
 
+def _check_writable(run_dir: str, path: str, fix: str) -> None:
+    """A `CommandFailed` naming `path`, before any work, where the command on the
+    run in `run_dir` could not write it at its end: the file is written beside
+    itself and renamed (its missing directories made first), so the nearest
+    directory that exists must be writable, and the name must not be taken by
+    something that is not a regular file. `fix`: the way round, besides making it
+    writable."""
+    if not os.path.isdir(run_dir):
+        return  # `load_run` says what it is
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        kind = file_kind(os.lstat(path).st_mode)
+        raise CommandFailed(f"cannot write {path}: it is {kind}; move it, or {fix}.")
+    directory = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(directory):
+        directory = os.path.dirname(directory)
+    if not os.path.isdir(directory):
+        raise CommandFailed(
+            f"cannot write {path}: {directory} is not a directory; move it, or {fix}."
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise CommandFailed(
+            f"cannot write {path}: {directory} is read-only to this user; make it "
+            f"writable (chmod u+w {directory}), or {fix}."
+        )
+
+
 def cmd_eval(args) -> int:
+    eval_json = os.path.join(args.run_dir, "eval.json")
+    _check_writable(args.run_dir, eval_json, "evaluate a copy of the run")
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
     check_fits_in_memory("--n", args.n, source.dim)
@@ -87,6 +116,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    out = args.out or os.path.join(args.run_dir, "samples.npy")
+    _check_writable(args.run_dir, out, "pass --out a file in a writable directory")
     run, source = _load(args.run_dir, need_data=False)
     config, flow = run.config, run.flow
     check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
@@ -102,10 +133,16 @@ def cmd_sample(args) -> int:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of `RUN_DIR/metrics.jsonl`, each step once (the last record of a
-    step, for files written before resuming cut them back)."""
+    """The records of `RUN_DIR/metrics.jsonl`, each step once (its first record: a
+    later one never replaces it), in step order; lines that are not records of a
+    step are skipped with one warning naming the file and the first one's line."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    return training.dedupe(training.read_records(path))
+    records = training.read_records(
+        path,
+        needed=("step", "loss", "nfe"),  # what `plot_training_curves` draws
+        warn=lambda m: print(f"cnftrace: {m}", file=sys.stderr),
+    )
+    return training.dedupe(records)
 
 
 def cmd_plot(args) -> int:
@@ -116,9 +153,10 @@ def cmd_plot(args) -> int:
         plot_training_curves,
     )
 
+    plots = os.path.join(args.run_dir, "plots")
+    _check_writable(args.run_dir, os.path.join(plots, "training.png"), "plot a copy")
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
-    plots = os.path.join(args.run_dir, "plots")
     paths = []
     if source.kind == "toy":
         data = source.test(args.seed, 20_000)

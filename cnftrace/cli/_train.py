@@ -155,7 +155,9 @@ def _write_config(config: RunConfig) -> None:
 class _Metrics:
     """`metrics.jsonl`, one record per step. Before this run's first record, the
     records from its step on are cut away: those a killed run logged after its last
-    checkpoint, which this run takes again. So every step is in the file once."""
+    checkpoint, which this run takes again. So every step is in the file once. Lines
+    that are not records of a step, and repeats of a step, go too, with one warning
+    (`training.read_records`)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -163,7 +165,9 @@ class _Metrics:
 
     def write(self, record: dict) -> None:
         if self.log is None:
-            training.truncate(self.path, record["step"] - 1)
+            # What `cnftrace plot` needs of a record; older runs logged no more.
+            needed = ("step", "loss", "nfe")
+            training.truncate(self.path, record["step"] - 1, needed=needed)
             self.log = training.Log(self.path)
         self.log.write(record)
 

@@ -18,6 +18,7 @@ from ..training import (
     latest_good_checkpoint,
     list_checkpoints,
     read_header,
+    same_value,
 )
 from ._build import run_flow, run_optimizer, run_standardization
 from ._config import RunConfig, read_config
@@ -64,7 +65,10 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
 
     The flow, ready for `log_prob`, `sample`, ...; with `return_info`, a pair
     `(flow, info)`. A file or checkpoint that does not fit raises
-    [`CheckpointError`][cnftrace.CheckpointError].
+    [`CheckpointError`][cnftrace.CheckpointError], and so does a run directory
+    where any checkpoint holds other settings than `config.json` (edited after
+    training, or another run's checkpoint copied in), naming each differing
+    setting. A path that does not exist raises `FileNotFoundError`.
 
     A run trained on the command line (`cnftrace train --run-dir runs/8g`) opens in
     one line: `flow = cnftrace.load("runs/8g")`. A run on a data file that was
@@ -96,13 +100,20 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
 
 
 def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
+    if not os.path.lexists(path) and pathlib.Path(path).suffix == "":
+        # `save` writes the path it is given; equinox's own writer adds `.eqx`.
+        if os.path.lexists(f"{path}.eqx"):
+            path = f"{path}.eqx"
+    if not os.path.lexists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: give `load` a file written by `cnftrace.save` "
+            "(with `like=`), or the run directory of `cnftrace train`."
+        )
     if like is None:
         raise ValueError(
             f"{path} is a file of arrays; pass `like=`, a flow of the same "
             "architecture to load them into (or give a run directory)."
         )
-    if pathlib.Path(path).suffix == "":
-        path = f"{path}.eqx"  # as equinox reads it
     try:
         data = read_regular_file(path)
     except FileKindError as e:
@@ -116,17 +127,69 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
         ) from None
 
 
-def _event_shape(checkpoints: str) -> tuple[int, ...] | None:
-    """The event shape recorded in the newest readable checkpoint's header."""
+def _checked_checkpoints(
+    config: RunConfig, config_path: str, checkpoints: str
+) -> tuple[int, ...] | None:
+    """The event shape in the newest readable checkpoint's header, once every
+    readable checkpoint in `checkpoints` is found to hold the settings of
+    `config_path`: a `CheckpointError` naming each setting that differs otherwise.
+    One checkpoint of other settings is enough: a run directory that mixes runs is
+    not trusted (as `train` refuses to resume from one). Unreadable files are left
+    to the loading, which skips them and says why."""
+    shape, mismatched = None, []
     for _, path in reversed(list_checkpoints(checkpoints)):
         try:
             header, _ = read_header(path)
-        except CheckpointError:
+        except (CheckpointError, OSError):
             continue
-        shape = header.get("config", {}).get("fit.event_shape")
-        if shape is not None:
-            return tuple(shape)
-    return None
+        saved = header.get("config")
+        saved = saved if isinstance(saved, dict) else {}
+        diffs = _setting_differences(saved, config)
+        if diffs:
+            mismatched.append((path, diffs))
+        elif shape is None and isinstance(saved.get("fit.event_shape"), list):
+            shape = tuple(saved["fit.event_shape"])
+    if mismatched:
+        (path, diffs), more = mismatched[0], len(mismatched) - 1
+        raise _mismatch(config_path, path, diffs, more)
+    return shape
+
+
+def _mismatch(config_path: str, path: str, diffs: list[str], more: int = 0):
+    others = f" (and {more} more of its checkpoints)" if more else ""
+    return CheckpointError(
+        f"{config_path} does not hold the settings of {path}{others}: "
+        + "; ".join(diffs)
+        + ". config.json was edited, or another run's checkpoint was copied in; "
+        "restore config.json (or the run's own checkpoints), or train these "
+        "settings in a new --run-dir."
+    )
+
+
+def _setting_differences(saved: dict, config: RunConfig) -> list[str]:
+    """The settings where a checkpoint's config (`RunConfig.stored()` and `fit.`
+    keys) differs from `config`, as `name: value in the checkpoint, in config.json`.
+    Settings added since the checkpoint was written take their old values, as they
+    do in an old `config.json`."""
+    settings = {k: v for k, v in saved.items() if not k.startswith("fit.")}
+    try:
+        there = RunConfig.from_stored(settings, "the checkpoint").stored()
+    except CheckpointError:  # unknown or missing settings: compared as they are
+        there = settings
+    here = config.stored()
+
+    def shown(values: dict, name: str) -> str:
+        text = repr(values[name]) if name in values else "nothing"
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    return [
+        f"{name} is {shown(there, name)} in the checkpoint, {shown(here, name)} in "
+        "config.json"
+        for name in sorted(set(there) | set(here))
+        if name not in there
+        or name not in here
+        or not same_value(there[name], here[name])
+    ]
 
 
 class LoadedRun(NamedTuple):
@@ -142,7 +205,9 @@ def load_run(run_dir: str) -> LoadedRun:
     """The flow of a run directory, rebuilt from its settings and given the
     parameters of its newest good checkpoint (the best validated ones, where the
     run validated), with its settings, the checkpoint's step and the data's
-    standardisation; a `CheckpointError` saying what is missing or wrong."""
+    standardisation; a `CheckpointError` saying what is missing or wrong. Every
+    checkpoint that reads must hold the settings of `config.json`: one that does not
+    is refused (not skipped), as `train` refuses to resume from it."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(
@@ -151,7 +216,7 @@ def load_run(run_dir: str) -> LoadedRun:
         )
     config = read_config(path)
     checkpoints = os.path.join(run_dir, "checkpoints")
-    shape = _event_shape(checkpoints)
+    shape = _checked_checkpoints(config, path, checkpoints)
     if shape is None or len(shape) != 1:
         raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
     flow = run_flow(config, jr.key(config.seed), shape[0])
@@ -163,7 +228,11 @@ def load_run(run_dir: str) -> LoadedRun:
     )
     if found is None:
         raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
-    step, (_, _, _, best), _ = found  # the best (or, untracked, the last)
+    step, (_, _, _, best), header = found  # the best (or, untracked, the last)
+    saved = header.get("config")
+    diffs = _setting_differences(saved if isinstance(saved, dict) else {}, config)
+    if diffs:  # a file swapped in since the check above
+        raise _mismatch(path, f"the checkpoint of step {step} in {checkpoints}", diffs)
     flow = eqx.combine(best, static)
     transform = run_standardization(config)
     if transform is not None:

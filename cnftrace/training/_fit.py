@@ -86,9 +86,11 @@ class Checkpoints(eqx.Module):
     The history is kept beside them, in `directory/history.jsonl` (one JSON record
     per logged step or validation), rather than in every checkpoint: on resume it is
     cut back to the checkpoint's step, so the history `fit` returns holds every step
-    exactly once. While `fit` runs, it holds the directory's lock (`directory/.lock`,
-    with its pid and host): a second `fit` on the same directory is refused, naming
-    the first; a lock left by a killed process is taken over.
+    exactly once (a step's first record: a later line never replaces it, and lines
+    that are not records of a step are skipped with one warning). While `fit` runs,
+    it holds the directory's lock (`directory/.lock`, with its pid and host): a
+    second `fit` on the same directory is refused, naming the first; a lock left by
+    a killed process is taken over.
 
     **Arguments:**
 
@@ -154,7 +156,7 @@ def fit(
     optimizer: optax.GradientTransformation | None = None,
     context: Float[Array, "n context"] | None = None,
     validation: Validation | Float[Array, "n ..."] | None = None,
-    checkpoints: Checkpoints | str | None = None,
+    checkpoints: Checkpoints | str | os.PathLike | None = None,
     mesh: MeshSpec = None,
     max_failures: int = 10,
     progress: bool = True,
@@ -197,7 +199,8 @@ def fit(
         how often, patience, estimator), or just the held-out samples. The
         parameters with the best validation NLL are the ones returned.
     - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints] (directory, how often,
-        how many to keep, the run's config), or just the directory. A directory
+        how many to keep, the run's config), or just the directory (a `str` or a
+        `pathlib.Path`). A directory
         holding checkpoints of the same config is resumed from.
     - `mesh`: train data-parallel over several devices: a `jax.sharding.Mesh`
         (e.g. [`data_mesh`][cnftrace.data_mesh]`(devices)`), or `"all"` for every
@@ -248,6 +251,7 @@ def fit(
         ("max_failures", max_failures),
     ):
         check_int(name, value)
+    checkpoints = _checked_arguments(flow, checkpoints)
     trainer = Trainer(
         data,
         key=key,
@@ -260,8 +264,6 @@ def fit(
     state = trainer.init(flow)
     if validation is not None and not isinstance(validation, Validation):
         validation = Validation(validation)
-    if isinstance(checkpoints, str):
-        checkpoints = Checkpoints(checkpoints)
     if validation is not None:
         validation = _checked_validation(validation, flow)
     lock = contextlib.nullcontext()
@@ -273,6 +275,27 @@ def fit(
             return loop.run(max_failures, progress, log_every, on_log)
         finally:
             loop.log.close()
+
+
+def _checked_arguments(flow, checkpoints) -> Checkpoints | None:
+    """A `TypeError` naming `flow` or `checkpoints` where it is of another kind;
+    `checkpoints` as a `Checkpoints` (or `None`)."""
+    if not isinstance(flow, AbstractFlow):
+        raise TypeError(
+            "`flow` must be a cnftrace flow (an AbstractFlow: a CNF, a Chain, a "
+            f"MultiscaleFlow, ...); got {type(flow).__name__} {flow!r:.80}. Build one "
+            "with cnftrace.CNF(field, dim) or cnftrace.mlp_flow(dim, key=...)."
+        )
+    if checkpoints is None or isinstance(checkpoints, Checkpoints):
+        return checkpoints
+    if isinstance(checkpoints, (str, os.PathLike)):
+        directory = os.fspath(checkpoints)
+        if isinstance(directory, str):
+            return Checkpoints(directory)
+    raise TypeError(
+        "`checkpoints` must be a cnftrace.Checkpoints or a directory path (a str or "
+        f"a pathlib.Path); got {type(checkpoints).__name__} {checkpoints!r:.80}."
+    )
 
 
 def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
@@ -338,8 +361,8 @@ class _Loop:
         check_same_on_all_processes(first_step, "the checkpoint step to resume from")
         if self.main_process:
             records = _history.truncate(history_path, first_step)
-        else:  # process 0 truncates; the others read up to the same step
-            records = _history.read_records(history_path)
+        else:  # process 0 truncates (and warns); the others read up to the same step
+            records = _history.read_records(history_path, warn=lambda m: None)
             records = _history.dedupe(r for r in records if r["step"] <= first_step)
         if found is None:
             return state, None

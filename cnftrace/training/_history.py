@@ -4,13 +4,23 @@ command line's `metrics.jsonl`.
 One JSON record per line, each with its `step`. A process killed after its last
 checkpoint leaves records of steps that the resumed run takes again, so on resume a
 log is cut back to the checkpoint's step (`truncate`) and every step is in it exactly
-once. Readers also keep only the last record of a step (`dedupe`), for logs written
-before that rule. A torn last line (a kill mid-write) is dropped.
+once.
+
+Nothing in a log is trusted unread: a line that is not a record of a step (not JSON,
+without the fields its readers need, a value that is not a number) is skipped, and so
+is a record of a step already recorded (of the same kind: training or validation). A
+later record never replaces an earlier one: the first record of a step is the one
+written before the step's checkpoint, and resuming cuts the log back before it logs a
+step again, so anything after it is debris (or, in a log written before that rule, a
+step the resumed run took again, loss for loss). The skipped lines are reported in one
+warning naming the file, how many, and the first one's line number. A torn last line
+(a kill mid-write: no newline after it) is dropped without a warning.
 """
 
 import json
 import os
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._io import atomic_write, read_regular_file
@@ -20,22 +30,76 @@ BASE_NAMES = ("step", "loss", "nfe", "nfe_backward", "seconds", "skipped")
 VAL_NAMES = ("val_step", "val_nll", "val_stderr")
 
 
-def read_records(path: str) -> list[dict[str, Any]]:
-    """The records of the log at `path` (none if it does not exist), in file order;
-    lines that are not a JSON object with an integer `step` are dropped."""
+def warn_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def read_records(
+    path: str,
+    *,
+    needed: tuple[str, ...] = BASE_NAMES,
+    warn: Callable[[str], None] = warn_stderr,
+) -> list[dict[str, Any]]:
+    """The records of the log at `path` (none if it does not exist), in file order:
+    a training record holds a number for each of `needed`, a validation record (a
+    `val_nll` and no `loss`) a number for `val_nll`, and every value of either is a
+    number (or null). Other lines, and a repeat of a step's record, are skipped with
+    one call of `warn` (see the module's docstring)."""
     try:
         data = read_regular_file(path)
     except FileNotFoundError:
         return []
-    records = []
-    for line in data.splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the newline that ends the file
+    records, seen, skipped = [], set(), []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-        if isinstance(record, dict) and type(record.get("step")) is int:
+        record, reason = _parsed(line, needed)
+        if record is not None and (_kind(record), record["step"]) in seen:
+            record, reason = None, f"it repeats step {record['step']}"
+        if record is not None:
+            seen.add((_kind(record), record["step"]))
             records.append(record)
+        elif not (number == len(lines) and not data.endswith(b"\n")):
+            skipped.append((number, reason))  # (a torn last line goes unsaid)
+    if skipped:
+        (first, reason), n = skipped[0], len(skipped)
+        if n == 1:
+            warn(f"{path}: line {first} is not a record of a step ({reason}); skipped.")
+        else:
+            warn(
+                f"{path}: {n} lines are not records of a step and are skipped, the "
+                f"first at line {first} ({reason})."
+            )
     return records
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float)
+
+
+def _parsed(line: bytes, needed: tuple[str, ...]) -> tuple[dict | None, str]:
+    """`(record, "")` for a line that is a record, `(None, why not)` otherwise."""
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None, "not JSON"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    if type(record.get("step")) is not int:
+        return None, "no integer step"
+    names = ("val_nll",) if _kind(record) == "validation" else needed
+    missing = [name for name in names if name not in record]
+    if missing:
+        return None, f"no {', '.join(missing)}"
+    for name, value in record.items():
+        if not (_is_number(value) or (value is None and name not in names)):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            return None, f"its {name} is {shown}, not a number"
+    return record, ""
 
 
 def _kind(record: dict) -> str:
@@ -43,16 +107,25 @@ def _kind(record: dict) -> str:
 
 
 def dedupe(records: Iterable[dict]) -> list[dict]:
-    """The last record of each step (of each kind: training or validation), in step
-    order."""
-    last = {(_kind(r), r["step"]): r for r in records}
-    return [last[k] for k in sorted(last, key=lambda k: (k[1], k[0]))]
+    """The first record of each step (of each kind: training or validation), in
+    step order."""
+    first: dict[tuple[str, int], dict] = {}
+    for r in records:
+        first.setdefault((_kind(r), r["step"]), r)
+    return [first[k] for k in sorted(first, key=lambda k: (k[1], k[0]))]
 
 
-def truncate(path: str, step: int) -> list[dict]:
+def truncate(
+    path: str,
+    step: int,
+    *,
+    needed: tuple[str, ...] = BASE_NAMES,
+    warn: Callable[[str], None] = warn_stderr,
+) -> list[dict]:
     """Cuts the log at `path` back to its records of steps up to `step` (each step
-    once) and returns them."""
-    records = dedupe(r for r in read_records(path) if r["step"] <= step)
+    once; the lines `read_records` skips are dropped) and returns them."""
+    records = read_records(path, needed=needed, warn=warn)
+    records = dedupe(r for r in records if r["step"] <= step)
     if records or os.path.lexists(path):
         rewrite(path, records)
     return records

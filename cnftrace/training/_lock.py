@@ -5,6 +5,10 @@ with `flock`: the kernel releases it when the owner exits, however it exits, so 
 left behind by a killed process is stale and is taken over (and said so). Where the
 file system has no `flock`, a lock whose owner is a dead process on this host is taken
 over in the same way.
+
+Anything else in the place of the directory or of its lock file (a regular file where
+the directory should be, a FIFO or a directory named `.lock`) is refused by name,
+before anything is written: it is not this package's, and it is not removed.
 """
 
 import errno
@@ -12,9 +16,11 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 
+from .._io import file_kind
 from ._checkpoint import CheckpointError
 
 LOCK_NAME = ".lock"
@@ -60,10 +66,15 @@ class DirectoryLock:
         self.fd = None
 
     def __enter__(self) -> "DirectoryLock":
+        self._check_kind(self.directory, "directory")
         os.makedirs(self.directory, exist_ok=True)
         while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self._check_kind(self.path, "regular file")
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o644)
             try:
+                # It may have been swapped since it was looked at.
+                self._check_kind(self.path, "regular file", fd)
                 got = self._try_lock(fd)
             except BaseException:
                 os.close(fd)
@@ -73,6 +84,26 @@ class DirectoryLock:
             else:
                 os.close(fd)  # the file was replaced meanwhile: try the new one
         return self
+
+    def _check_kind(self, path: str, wanted: str, fd: int | None = None) -> None:
+        """A `CheckpointError` naming `path` if it exists (or `fd` is open on it) as
+        something other than `wanted`, a "directory" or a "regular file"."""
+        try:
+            mode = os.fstat(fd).st_mode if fd is not None else os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if wanted == "directory" and stat.S_ISLNK(mode):
+            try:
+                mode = os.stat(path).st_mode  # a link to a directory is one
+            except OSError:
+                pass  # a dangling link
+        if (stat.S_ISDIR if wanted == "directory" else stat.S_ISREG)(mode):
+            return
+        role = self.what if wanted == "directory" else f"{self.what}'s lock"
+        raise CheckpointError(
+            f"{path} is {file_kind(mode)}, not a {wanted}, so it cannot be the "
+            f"{role}; remove it or move it away, and run again."
+        )
 
     def _try_lock(self, fd: int) -> bool:
         owner = _read_owner(fd)
