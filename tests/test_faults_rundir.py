@@ -226,6 +226,8 @@ def test_3_a_lock_that_is_a_fifo_and_checkpoints_that_are_a_file(
     with open(checkpoints, "w") as f:
         f.write("not a directory")
     before = _contents(run)
+    config = os.path.join(run, "config.json")
+    written = os.stat(config).st_mtime_ns
     _fails(
         ["train", "--run-dir", run, *TINY],
         1,
@@ -235,6 +237,7 @@ def test_3_a_lock_that_is_a_fifo_and_checkpoints_that_are_a_file(
         "move it away",
     )
     assert _contents(run) == before
+    assert os.stat(config).st_mtime_ns == written  # not even rewritten alike
     # fit, given the file as its checkpoint directory (a path of any kind).
     flow = cnftrace.CNF(lambda t, z, a: -z, 2)
     data = np.ones((4, 2), np.float32)

@@ -5,10 +5,12 @@ Each failure is a `UsageError` whose message names the option and the accepted r
 """
 
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
 
+from .._io import file_kind
 from ..runs import RunConfig
 
 
@@ -57,6 +59,15 @@ def check_run_dir(path: str) -> None:
     it (`--run-dir runs/8g` in a fresh clone), but no part of it may be a file."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--run-dir {path} is a file, not a directory.")
+    for name in ("checkpoints", ".lock", "config.json"):  # before config.json is written
+        inside = os.path.join(path, name)
+        want = stat.S_ISDIR if name == "checkpoints" else stat.S_ISREG
+        if os.path.lexists(inside) and not want(os.lstat(inside).st_mode):
+            what = "directory" if name == "checkpoints" else "regular file"
+            raise CommandFailed(
+                f"{inside} is {file_kind(os.lstat(inside).st_mode)}, not a {what}, so "
+                "it is not this run's; remove it or move it away, and run again."
+            )
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
