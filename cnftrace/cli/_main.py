@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+import warnings
 
 import jax.numpy as jnp
 
@@ -121,8 +122,13 @@ def main(argv=None) -> int:
         if getattr(args, "distributed", False):
             initialize_distributed()  # before anything else touches JAX
         # Compiled programs are stored on disk: a second run, a resume, `eval` and
-        # `sample` of a trained run load them instead of compiling again.
-        enable_compilation_cache()
+        # `sample` of a trained run load them instead of compiling again. What it
+        # says of a bad cache (entries removed, or the cache off) is one line.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            enable_compilation_cache()
+        for w in caught:
+            print(f"cnftrace: {w.message}", file=sys.stderr)
         jnp.zeros(())
         return args.func(args)
     except (Exception, KeyboardInterrupt) as e:
