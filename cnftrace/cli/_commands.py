@@ -16,7 +16,7 @@ from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
 from ..training import evaluate_nll
 from ._checks import check_fits_in_memory
-from ._data import list_datasets, run_source, score_report, write_samples
+from ._data import eval_size, list_datasets, run_source, score_report, write_samples
 
 
 def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
@@ -49,9 +49,10 @@ def cmd_datasets(args) -> int:
 def cmd_eval(args) -> int:
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
-    check_fits_in_memory("--n", args.n, source.dim)
-    test = source.test(args.seed, args.n)
-    nll = evaluate_nll(flow, test)
+    n = eval_size(source, args.n)
+    check_fits_in_memory("--n", n, source.dim)
+    test = source.test(args.seed, n)
+    nll = evaluate_nll(flow, test)  # data on the host: standardised in float64
     shown = config.data if isinstance(config.data, str) else config.data[0]
     result = {
         "step": step,
@@ -60,7 +61,7 @@ def cmd_eval(args) -> int:
         "stderr": nll.stderr,
         "nfe": nll.nfe,
         "n": int(test.shape[0]),
-        **score_report(source, nll.mean, args.seed, args.n),
+        **score_report(source, nll.mean, args.seed, n),
     }
     if source.kind == "file":
         result["units"] = "data"  # log_prob in the file's own units, scaling included
@@ -89,7 +90,11 @@ def cmd_sample(args) -> int:
     run, source = _load(args.run_dir, need_data=False)
     config, flow = run.config, run.flow
     check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
-    x = np.asarray(flow.sample(jr.key(args.seed), args.n))  # in the data's units
+    if run.transform is None:
+        x = np.asarray(flow.sample(jr.key(args.seed), args.n))
+    else:  # the standardised flow's samples, mapped to the data's units in float64
+        y = flow.flow.sample(jr.key(args.seed), args.n)
+        x = run.transform.inverse(np.asarray(y))
     if source is not None and source.kind == "images":
         # Pixel intensities in [0, 1].
         x = digits_from_logit(x).reshape(args.n, *source.image_shape)
