@@ -245,9 +245,7 @@ def main(argv=None) -> None:
         VARIANTS[name] = extra
     names = args.only.split(",") if args.only else list(VARIANTS)
     jobs = [
-        (int(d), name, config_of(name))
-        for name in names
-        for d in args.dim.split(",")
+        (int(d), name, config_of(name)) for name in names for d in args.dim.split(",")
     ]
     sweep(jobs, args)
 

@@ -120,10 +120,13 @@ def test_warped_product_is_a_normalised_density_it_samples_from():
     s = (x / np.asarray(density.scale)) @ np.asarray(density.rotation)
     for i, j, b in reversed(density.warps):
         s[:, j] -= b * (s[:, i] ** 2 - 1)
-    expected = sum(
-        np.asarray(_marginal_log_prob(m, jnp.asarray(s[:, i])))
-        for i, m in enumerate(density.marginals)
-    ) - np.log(np.asarray(density.scale)).sum()
+    expected = (
+        sum(
+            np.asarray(_marginal_log_prob(m, jnp.asarray(s[:, i])))
+            for i, m in enumerate(density.marginals)
+        )
+        - np.log(np.asarray(density.scale)).sum()
+    )
     np.testing.assert_allclose(density.log_prob(jnp.asarray(x)), expected, rtol=1e-10)
     # In 2-D its density integrates to 1 on a grid, and the samples have unit variance.
     flat = warped_product(2, seed=1)

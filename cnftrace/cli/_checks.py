@@ -59,7 +59,8 @@ def check_run_dir(path: str) -> None:
     it (`--run-dir runs/8g` in a fresh clone), but no part of it may be a file."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--run-dir {path} is a file, not a directory.")
-    for name in ("checkpoints", ".lock", "config.json"):  # before config.json is written
+    # Before config.json is written over: what the run directory holds is its own.
+    for name in ("checkpoints", ".lock", "config.json"):
         inside = os.path.join(path, name)
         want = stat.S_ISDIR if name == "checkpoints" else stat.S_ISREG
         if os.path.lexists(inside) and not want(os.lstat(inside).st_mode):

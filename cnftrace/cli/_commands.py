@@ -8,7 +8,6 @@ import stat
 import sys
 import warnings
 
-import jax.random as jr
 import numpy as np
 
 from .. import training
@@ -18,7 +17,7 @@ from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
 from ..training import evaluate_nll
 from ._checks import CommandFailed, check_fits_in_memory
-from ._data import list_datasets, run_source, score_report, write_samples
+from ._data import eval_size, list_datasets, run_source, score_report, write_samples
 
 
 def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
@@ -79,9 +78,10 @@ def cmd_eval(args) -> int:
     _check_writable(args.run_dir, eval_json, "evaluate a copy of the run")
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
-    check_fits_in_memory("--n", args.n, source.dim)
-    test = source.test(args.seed, args.n)
-    nll = evaluate_nll(flow, test)
+    n = eval_size(source, args.n)
+    check_fits_in_memory("--n", n, source.dim)
+    test = source.test(args.seed, n)
+    nll = evaluate_nll(flow, test)  # data on the host: standardised in float64
     shown = config.data if isinstance(config.data, str) else config.data[0]
     result = {
         "step": step,
@@ -90,7 +90,7 @@ def cmd_eval(args) -> int:
         "stderr": nll.stderr,
         "nfe": nll.nfe,
         "n": int(test.shape[0]),
-        **score_report(source, nll.mean, args.seed, args.n),
+        **score_report(source, nll.mean, args.seed, n),
     }
     if source.kind == "file":
         result["units"] = "data"  # log_prob in the file's own units, scaling included
@@ -109,9 +109,7 @@ def cmd_eval(args) -> int:
             f"{result['gaussian_baseline_bits_per_dim']:.4f})"
         )
     print(line + f"; NFE {nll.nfe:.0f}")
-    atomic_write(
-        os.path.join(args.run_dir, "eval.json"), json.dumps(result, indent=2).encode()
-    )
+    atomic_write(eval_json, json.dumps(result, indent=2).encode())
     return 0
 
 
@@ -121,11 +119,14 @@ def cmd_sample(args) -> int:
     run, source = _load(args.run_dir, need_data=False)
     config, flow = run.config, run.flow
     check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
-    x = np.asarray(flow.sample(jr.key(args.seed), args.n))  # in the data's units
+    if run.transform is None:
+        x = np.asarray(flow.sample(seed_key(args.seed), args.n))
+    else:  # the standardised flow's samples, mapped to the data's units in float64
+        y = flow.flow.sample(seed_key(args.seed), args.n)
+        x = run.transform.inverse(np.asarray(y))
     if source is not None and source.kind == "images":
         # Pixel intensities in [0, 1].
         x = digits_from_logit(x).reshape(args.n, *source.image_shape)
-    out = args.out or os.path.join(args.run_dir, "samples.npy")
     names = (config.data_file or {}).get("names")
     write_samples(out, x, names)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")

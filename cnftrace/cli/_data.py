@@ -72,6 +72,35 @@ def _data_error(data) -> UsageError:
     )
 
 
+def _directory_error(path: str) -> UsageError:
+    found = sorted(
+        f for f in os.listdir(path) if os.path.splitext(f)[1].lower() in TABLE_FORMATS
+    )
+    holds = f" (it holds {', '.join(found[:3])}{', ...' if found[3:] else ''})"
+    return UsageError(
+        f"--data {path} is a directory{holds if found else ''}: give a data file "
+        f"(ending in {', '.join(TABLE_FORMATS)}), or several; for MAF's UCI sets and "
+        f"MNIST, the set's name with the directory: --data NAME --data-dir {path}."
+    )
+
+
+def eval_size(source: DataSource, n: int | None) -> int:
+    """The number of test samples `cnftrace eval --n N` scores: for a table or a
+    data file, the first N rows of its fixed test split (all of them by default; a
+    `UsageError` past its size); otherwise N, 5000 by default (drawn from a toy set,
+    the first of MNIST's test images; the digits use their whole test split)."""
+    if source.kind not in ("tabular", "file"):
+        return 5000 if n is None else n
+    size = source.test(0, None).shape[0]
+    if n is not None and n > size:
+        raise UsageError(
+            f"--n {n} asks for more test rows than the {size} rows of the test split "
+            f"of {source.name}: give --n {size} or fewer, or leave --n out to score "
+            "them all."
+        )
+    return size if n is None else n
+
+
 def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
@@ -90,6 +119,8 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         return source, {"data": data, "data_file": None, "data_dir": directory}
     paths = [data] if isinstance(data, str) else list(data)
     for path in paths:
+        if os.path.isdir(path):
+            raise _directory_error(path)
         if os.path.splitext(path)[1].lower() not in TABLE_FORMATS:
             raise _data_error(data)
     paths = [os.path.abspath(p) for p in paths]

@@ -60,7 +60,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = add_parser("eval", "exact-trace test NLL of a trained run")
     p.add_argument("run_dir")
-    p.add_argument("--n", type=int, default=5000, help="test samples (default: 5000)")
+    p.add_argument(
+        "--n",
+        type=int,
+        help="test samples: for a data file or a table, the first N rows of its "
+        "fixed test split (default: all of them); for a toy set, N drawn; for MNIST, "
+        "its first N test images (default: 5000)",
+    )
     p.add_argument(
         "--seed", type=int, default=12345, help="seed of the test set (default: 12345)"
     )

@@ -5,24 +5,38 @@ Parquet engine (pyarrow or fastparquet), `.parquet`.
 Everything is checked before anything trains, and every error names the file, the
 row or column, and the fix: an empty file, text in a numeric column, a line with the
 wrong number of fields, a header line repeated further down (files concatenated with
-their headers), NaN or inf, a dimension that changes between files. Rows are counted
-from 0 (as NumPy indexes them); the lines of a text file from 1 (as an editor shows
-them); columns from 0, with their header names where there are some.
+their headers), NaN or inf, a dimension that changes between files, a text file not
+in UTF-8, lines that look separated by another character than the extension says
+(`;` or tabs in a .csv, commas in a .tsv). Rows are counted from 0 (as NumPy indexes
+them); the lines of a text file from 1 (as an editor shows them); columns from 0,
+with their header names where there are some.
+
+Text files are read as UTF-8, a byte-order mark (Excel's "CSV UTF-8") dropped. NumPy's
+C parser reads them where every row is numbers; otherwise, and to name any problem,
+a checking parser, line by line. Files of `PROGRESS_BYTES` or more show the progress
+of their parsing on stderr.
 """
 
 import csv
 import hashlib
 import io
 import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ._real import Splits
 
 TABLE_FORMATS = (".csv", ".tsv", ".npy", ".npz", ".parquet")
 _DELIMITERS = {".csv": ",", ".tsv": "\t"}
+# Text files of at least this many bytes show the progress of their parsing on
+# stderr (2 million rows of three numbers take about 120 MB, and 2 s to parse).
+PROGRESS_BYTES = 32 * 2**20
+_PROGRESS_EVERY = 2**16  # rows between updates of the progress bar
 
 
 class Table(NamedTuple):
@@ -64,27 +78,165 @@ def _column(j: int, names) -> str:
     return f"column {j} ({names[j]!r})" if names else f"column {j}"
 
 
+def _decode(path: str, raw: bytes) -> str:
+    """The text of a file's bytes, read as UTF-8 (a byte-order mark dropped), or a
+    `ValueError` naming the line and column of the first byte that is not."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        at = e.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)
+        line = raw.count(b"\n", 0, at) + 1
+        start = raw.rfind(b"\n", 0, at) + 1
+        column = len(raw[start:at].decode("utf-8-sig")) + 1  # in characters
+        raise ValueError(
+            f"{path}, line {line}, column {column}: byte 0x{raw[at]:02x} is not "
+            "UTF-8 text, so the file was saved in another encoding (Latin-1 or "
+            "Windows-1252, perhaps). Save it as UTF-8 (Excel: 'CSV UTF-8'), or "
+            f"convert it, e.g. `iconv -f latin1 -t utf-8 {path}`."
+        ) from None
+
+
+def _delimiter_hint(text: str, delimiter: str) -> str | None:
+    """What to do where the lines of a text file look separated by another
+    character than its extension says: `;` or tabs in a .csv, commas in a .tsv."""
+    lines = [line for line in text[: 2**20].splitlines()[:1000] if line.strip()]
+    semicolons = (
+        ";",
+        "';'",
+        "convert the semicolons to commas (and any decimal commas to points), or "
+        "save it as 'CSV (comma delimited)'",
+    )
+    if delimiter == ",":
+        candidates = (semicolons, ("\t", "tabs", "rename it to .tsv"))
+    else:
+        candidates = ((",", "commas", "rename it to .csv"),)
+    for sep, shown, fix in candidates:
+        if not lines or not all(sep in line for line in lines):
+            continue
+        alone = not any(delimiter in line for line in lines)
+        # Semicolons beside commas: decimal commas, if every line has as many.
+        if alone or (sep == ";" and len({line.count(sep) for line in lines}) == 1):
+            other = "commas" if delimiter == "," else "tabs"
+            return f"The file looks separated by {shown}, not {other}: {fix}."
+    return None
+
+
+def _progress(path: str, size: int, text: str):
+    """A progress bar of the rows parsed, on stderr, for a file of at least
+    `PROGRESS_BYTES` bytes; `None` for smaller files."""
+    if size < PROGRESS_BYTES:
+        return None
+    return tqdm(
+        total=text.count("\n") + 1,
+        desc=f"reading {os.path.basename(path)}",
+        unit=" rows",
+        unit_scale=True,
+        file=sys.stderr,
+        leave=False,
+    )
+
+
+def _counted(lines, bar):
+    """`lines`, counted on `bar` every `_PROGRESS_EVERY` of them."""
+    if bar is None:
+        yield from lines
+        return
+    for i, line in enumerate(lines, 1):
+        if i % _PROGRESS_EVERY == 0:
+            bar.update(_PROGRESS_EVERY)
+        yield line
+
+
+def _same_widths(raw: bytes, delimiter: str, skip: int, width: int) -> bool:
+    """Whether every line after the first `skip` of a file without quotes holds
+    `width` fields (blank lines aside): counted on the bytes, where no byte of a
+    multi-byte UTF-8 character is a delimiter or a newline."""
+    if b'"' in raw:
+        return False
+    b = np.frombuffer(raw, np.uint8)
+    starts = np.r_[0, np.flatnonzero(b == ord("\n")) + 1]
+    starts = starts[starts < b.size][skip:]
+    if starts.size == 0:
+        return False
+    bounds = np.r_[starts, b.size]
+    seps = np.diff(np.searchsorted(np.flatnonzero(b == ord(delimiter)), bounds))
+    lengths = np.diff(bounds)
+    blank = lengths <= 2  # "\n", "\r\n" or nothing (the last line)
+    blank &= np.isin(b[starts], (ord("\n"), ord("\r")))
+    return bool(np.all(seps[~blank] == width - 1))
+
+
+def _read_fast(
+    text: str, raw: bytes, delimiter: str, skip: int, width: int, picked: list[int], bar
+):
+    """The `picked` columns of every row after the first `skip` lines, parsed by
+    NumPy's C parser; `None` where a row is not `width` fields split by `delimiter`
+    alone, or a picked field is not a finite number (quotes, text, a missing
+    field, a line of blanks, NaN): the checking parser then reads the file and
+    names the problem. It accepts less than that parser, never more, and reads
+    the same values, four to five times faster."""
+    if text.count("\r") != text.count("\r\n"):
+        return None  # a lone carriage return: the csv module's business
+    usecols = None
+    if picked != list(range(width)):  # the others may hold text: count fields
+        if not _same_widths(raw, delimiter, skip, width):
+            return None
+        usecols = picked
+    lines = io.StringIO(text)
+    for _ in range(skip):
+        next(lines, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "input contained no data"
+            data = np.loadtxt(
+                _counted(lines, bar),
+                delimiter=delimiter,
+                comments=None,
+                usecols=usecols,
+                ndmin=2,
+                dtype=np.float64,
+            )
+    except ValueError:
+        return None
+    if data.shape[0] == 0 or data.shape[1] != len(picked):
+        return None
+    return data if np.isfinite(data).all() else None
+
+
+def _filled(row) -> bool:
+    return bool(row) and any(field.strip() for field in row)
+
+
 def _read_text(path: str, delimiter: str, columns):
     """`(data, names, line_of_row)` of the picked columns of a delimited text file
-    (the others are not read, so they may hold text)."""
-    with open(path, newline="") as f:
-        text = f.read()
-    lines = [
-        (i + 1, row)
-        for i, row in enumerate(csv.reader(io.StringIO(text), delimiter=delimiter))
-        if row and any(field.strip() for field in row)
-    ]
-    if not lines:
+    (the others are not read, so they may hold text). `line_of_row` is `None` where
+    every row was read as finite numbers. An error gains a hint where the lines
+    look separated by another character than the extension says."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = _decode(path, raw)
+    bar = _progress(path, len(raw), text)
+    try:
+        return _parse_text(path, text, raw, delimiter, columns, bar)
+    except ValueError as e:
+        hint = _delimiter_hint(text, delimiter)
+        if hint is None:
+            raise
+        raise ValueError(f"{e} {hint}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _parse_text(path: str, text: str, raw: bytes, delimiter: str, columns, bar):
+    rows = csv.reader(io.StringIO(text), delimiter=delimiter)
+    head = next(((i + 1, row) for i, row in enumerate(rows) if _filled(row)), None)
+    if head is None:
         raise ValueError(f"{path} is empty: it holds no rows. Give a file of samples.")
-    first = [field.strip() for field in lines[0][1]]
+    header, first = head[0], [field.strip() for field in head[1]]
     names = None
     if not all(_is_number(field) for field in first):
         names = tuple(first)
-        lines = lines[1:]
-        if not lines:
-            raise ValueError(
-                f"{path} holds a header line but no rows of numbers under it."
-            )
     width = len(first)
     if names is not None and len(set(names)) != len(names):
         twice = next(n for n in names if names.count(n) > 1)
@@ -92,8 +244,24 @@ def _read_text(path: str, delimiter: str, columns):
             f"{path}: the header names the column {twice!r} twice; rename one."
         )
     picked = _resolve(path, columns, names, width)
-    data = np.empty((len(lines), len(picked)))
-    for r, (line, row) in enumerate(lines):
+    picked_names = None if names is None else tuple(names[j] for j in picked)
+    skip = header if names is not None else header - 1
+    data = _read_fast(text, raw, delimiter, skip, width, picked, bar)
+    if data is not None:
+        return data, picked_names, None
+    # The checking parser, record by record: the first problem, by its line.
+    if bar is not None:
+        bar.reset()
+    data = np.empty((text.count("\n") + 1, len(picked)))
+    lines = []
+    rows = csv.reader(io.StringIO(text), delimiter=delimiter)
+    for i, row in enumerate(rows):
+        if bar is not None and i % _PROGRESS_EVERY == _PROGRESS_EVERY - 1:
+            bar.update(_PROGRESS_EVERY)
+        line = i + 1
+        if (names is not None and line == header) or not _filled(row):
+            continue
+        r = len(lines)
         fields = [field.strip() for field in row]
         if names is not None and tuple(fields) == names:
             raise ValueError(
@@ -123,9 +291,10 @@ def _read_text(path: str, delimiter: str, columns):
                     f"{path}, line {line} (row {r}), {_column(j, names)} {problem}; "
                     f"{fix}."
                 ) from None
-    if names is not None:
-        names = tuple(names[j] for j in picked)
-    return data, names, [line for line, _ in lines]
+        lines.append(line)
+    if not lines:
+        raise ValueError(f"{path} holds a header line but no rows of numbers under it.")
+    return data[: len(lines)], picked_names, lines
 
 
 def _from_array(path: str, x, what: str) -> np.ndarray:
@@ -251,6 +420,12 @@ def _check_finite(path, data, names, lines):
 
 
 def _read_one(path: str, columns, array):
+    if os.path.isdir(path):
+        raise ValueError(
+            f"{path} is a directory, not a data file: give a file ending in one of "
+            f"{', '.join(TABLE_FORMATS)}; for MAF's UCI sets and MNIST, their name "
+            "and the directory (`--data NAME --data-dir DIR` on the command line)."
+        )
     ext = os.path.splitext(path)[1].lower()
     if ext not in TABLE_FORMATS:
         raise ValueError(
@@ -302,7 +477,11 @@ def read_table(
 
     A `ValueError` names the file, the row (and line) or column, and the fix, for an
     empty file, text where a number should be, a field missing from a line, a header
-    line repeated further down, NaN or inf, or files with different columns.
+    line repeated further down, NaN or inf, files with different columns, a text
+    file not in UTF-8 (a byte-order mark is dropped), or a directory; where the lines
+    of a text file look separated by `;` or tabs (a .csv) or commas (a .tsv), its
+    error says so. A text file of `PROGRESS_BYTES` (32 MiB) or more shows the
+    progress of its parsing on stderr.
 
     !!! example
 

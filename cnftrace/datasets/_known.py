@@ -358,7 +358,9 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
     # Sources are coordinates with light tails, never warped themselves, so that no
     # warp squares a heavy tail or another warp's output (the variance stays finite
     # and well measured); targets are the other coordinates.
-    light = [i for i, m in enumerate(marginals) if m in ("bimodal", "gumbel", "laplace")]
+    light = [
+        i for i, m in enumerate(marginals) if m in ("bimodal", "gumbel", "laplace")
+    ]
     order = rng.permutation(light)
     count = max(1, dim // 3)
     sources = [int(i) for i in order[:count]]

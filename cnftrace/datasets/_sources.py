@@ -49,7 +49,9 @@ class DataSource:
     - `test`: `test(seed, n)`, the test set in the units of the flow that
         `cnftrace.load` returns for a run on this data: model space, except for a
         standardised file, where it is the data's own units (the loaded flow is a
-        [`StandardizedFlow`][cnftrace.StandardizedFlow]).
+        [`StandardizedFlow`][cnftrace.StandardizedFlow]). `n` samples of a toy
+        set; the first `n` rows of the fixed test split of a table or a file (all
+        of them for `n` of `None` or 0).
     - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing (0 if
         none), so `NLL_x = NLL_y - mean(test_log_det)`.
     - `kind`: `"toy"`, `"tabular"`, `"images"` or `"file"`.
@@ -93,12 +95,18 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
         print(gaussian_baseline_nll(train, test))  # about 3 * 1.42 nats
         ```
     """
+    train, test = np.asarray(train, np.float64), np.asarray(test, np.float64)
+    # In float64, each column divided by a power of two near its largest magnitude
+    # (exactly), so that values near float64's largest do not overflow; the jitter
+    # stays 1e-6 in the data's units.
+    power = np.ldexp(1.0, np.frexp(np.abs(train).max(axis=0))[1] - 1)
+    train, test = train / power, test / power
     mean = train.mean(axis=0)
-    cov = np.cov(train, rowvar=False, bias=True) + 1e-6 * np.eye(train.shape[1])
+    cov = np.cov(train, rowvar=False, bias=True) + np.diag((1e-3 / power) ** 2)
     chol = np.linalg.cholesky(cov)
     z = np.linalg.solve(chol, (test - mean).T).T
     d = train.shape[1]
-    log_det = 2 * np.sum(np.log(np.diag(chol)))
+    log_det = 2 * np.sum(np.log(np.diag(chol))) + 2 * np.sum(np.log(power))
     return float(
         np.mean(0.5 * np.sum(z**2, axis=1) + 0.5 * log_det)
         + 0.5 * d * math.log(2 * math.pi)
@@ -138,14 +146,22 @@ def _resampled(train: np.ndarray) -> Callable:
     return sample
 
 
+def _first_rows(test: np.ndarray) -> tuple[Callable, Callable]:
+    """`test` and `test_log_det` of a fixed test split: its first `n` rows (all of
+    them for `n` of `None` or 0), and as many zeros."""
+    return (
+        lambda seed, n: test[:n] if n else test,
+        lambda seed, n: np.zeros(test[:n].shape[0] if n else test.shape[0]),
+    )
+
+
 def _tabular(name: str, splits: Splits) -> DataSource:
     return DataSource(
         name,
         splits.train.shape[1],
         _resampled(splits.train),
         splits.val,
-        lambda seed, n: splits.test,
-        lambda seed, n: np.zeros(splits.test.shape[0]),
+        *_first_rows(splits.test),
         "tabular",
         reference=splits.train,
     )
@@ -278,10 +294,13 @@ def file_source(
     by [`read_table`][cnftrace.datasets.read_table], split by
     [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split), and,
     with `standardize`, standardised by the training rows' mean and standard
-    deviation. Batches are drawn from the training rows (standardised), the
-    validation rows are standardised too, and `test` returns the test rows in the
-    data's own units. A column that takes one value over the training rows is
-    refused by name: it has no density to learn.
+    deviation, in float64 on the host (a large offset keeps its precision). Batches
+    are drawn from the training rows (standardised), the validation rows are
+    standardised too, and `test(seed, n)` returns the first `n` test rows (all of
+    them for `n` of `None` or 0) in the data's own units. A column that takes one
+    value over the training rows is refused by name: it has no density to learn;
+    so, without `standardize`, is a value beyond the range of JAX's float (float32
+    unless x64 is on), in which the data are then used.
 
     !!! example
 
@@ -315,17 +334,49 @@ def file_source(
             f"rows (always {value!r}): a zero variance, which cannot be "
             "standardised and has no density to learn. Leave it out with `--columns`."
         )
+    # In float64 on the host until standardised: a large offset keeps its precision.
     std = Standardization.from_data(splits.train, name=name) if standardize else None
-    to_model = (lambda x: np.asarray(std.forward(x))) if standardize else np.asarray
+    _check_range(table, std)
+    to_model = std.forward if standardize else np.asarray
     return DataSource(
         name,
         table.data.shape[1],
         _resampled(to_model(splits.train)),
         to_model(splits.val) if splits.val.shape[0] else None,
-        lambda seed, n: splits.test,
-        lambda seed, n: np.zeros(splits.test.shape[0]),
+        *_first_rows(splits.test),
         "file",
         reference=splits.train,
         standardization=std,
         table=table,
+    )
+
+
+def _check_range(table: Table, std: Standardization | None) -> None:
+    """A `ValueError` naming the first value of `table` that is beyond the range of
+    JAX's default float (float32 unless x64 is on) in the units the flow sees it
+    in: as it is, or standardised by `std`."""
+    dtype = np.dtype(jnp.result_type(float))
+    largest = np.finfo(dtype).max
+    seen = table.data if std is None else std.forward(table.data)
+    big = ~(np.abs(seen) <= largest)
+    if not big.any():
+        return
+    r, j = (int(i[0]) for i in np.nonzero(big))
+    ends = np.cumsum(table.rows)
+    f = int(np.searchsorted(ends, r, side="right"))
+    row = r - (int(ends[f - 1]) if f else 0)
+    column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
+    where = f"{table.paths[f]}: {column} holds {table.data[r, j].item()!r} (row {row})"
+    beyond = f"beyond the range of {dtype} (largest {largest:.4g})"
+    if std is None:
+        raise ValueError(
+            f"{where}, {beyond}, in which data that is not standardised is used. "
+            "Standardise it (leave out `--no-standardize`), or rescale that column."
+        )
+    mean, scale = np.asarray(std.mean)[j].item(), np.asarray(std.scale)[j].item()
+    raise ValueError(
+        f"{where}, which standardised by the training rows (mean {mean:.4g}, "
+        f"standard deviation {scale:.4g}) is {seen[r, j].item():.4g}, {beyond}: a "
+        "value this far from the others cannot be modelled. Correct or remove "
+        "that row."
     )

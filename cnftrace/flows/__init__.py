@@ -22,4 +22,5 @@ from ._programs import SolverError as SolverError
 from ._standardized import (
     Standardization as Standardization,
     StandardizedFlow as StandardizedFlow,
+    standardize_on_host as standardize_on_host,
 )

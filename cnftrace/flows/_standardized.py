@@ -62,8 +62,10 @@ class Standardization(eqx.Module):
         """The mean and standard deviation of each coordinate of `data` (shape
         `(n, *event_shape)`, at least two rows), as a `Standardization`.
 
-        A `ValueError` names the first coordinate whose standard deviation is zero
-        (or not finite): it holds one value only, and has no density to learn.
+        Computed in float64 without overflow, even for values near float64's
+        largest. A `ValueError` names the first coordinate whose standard deviation
+        is zero (or not finite): it holds one value only, and has no density to
+        learn; or whose values span a range beyond float64's.
 
         !!! example
 
@@ -80,8 +82,26 @@ class Standardization(eqx.Module):
                 f"`{name}` must hold at least two samples, shape (n, *event) with "
                 f"n >= 2, to be standardised; got shape {data.shape}."
             )
-        mean = data.mean(axis=0)
-        scale = data.std(axis=0)
+        # Each coordinate divided by a power of two near its largest magnitude (an
+        # exact division), so that neither the sum nor the squares of values near
+        # float64's largest overflow.
+        power = np.ldexp(1.0, np.frexp(np.abs(data).max(axis=0))[1] - 1)
+        mean = (data / power).mean(axis=0) * power
+        scale = (data / power).std(axis=0) * power
+        with np.errstate(over="ignore"):
+            spread = data.max(axis=0) - data.min(axis=0)
+        wide = np.isinf(spread) & np.isfinite(data).all(axis=0)
+        if wide.any():
+            where = np.unravel_index(int(np.flatnonzero(wide)[0]), wide.shape)
+            index = where[0] if len(where) == 1 else where
+            values = data[(slice(None), *where)]
+            raise ValueError(
+                f"column {index} of `{name}` spans from {values.min().item()!r} to "
+                f"{values.max().item()!r}, a range beyond float64's largest number "
+                f"({np.finfo(np.float64).max:.4g}), so it cannot be standardised "
+                "(the differences overflow). Rescale that column first, e.g. "
+                "divide it by 1e10."
+            )
         bad = ~(np.isfinite(scale) & (scale > 0))
         if bad.any():
             where = np.unravel_index(int(np.flatnonzero(bad)[0]), bad.shape)
@@ -94,9 +114,18 @@ class Standardization(eqx.Module):
             )
         return Standardization(mean, scale)  # float64 NumPy: no precision lost
 
+    def _host(self, *data) -> bool:
+        """Whether the map is computed on the host in float64 NumPy: for `data` that
+        is not a JAX array (nor a tracer), with constants that are not either."""
+        values = (*data, self.mean, self.scale)
+        return not any(isinstance(v, jax.Array) for v in values)
+
     @property
     def log_det(self) -> Float[Array, ""]:
-        """`log|det dy/dx|` of the map, the same for every sample: `-sum(log scale)`."""
+        """`log|det dy/dx|` of the map, the same for every sample: `-sum(log scale)`
+        (a float64 NumPy scalar for NumPy constants)."""
+        if self._host():
+            return -np.sum(np.log(np.asarray(self.scale, np.float64)))
         return -jnp.sum(jnp.log(jnp.asarray(self.scale)))
 
     def _constants(self, x):
@@ -107,16 +136,46 @@ class Standardization(eqx.Module):
         return mean.reshape(shape), scale.reshape(shape)
 
     def forward(self, x: Float[Array, "*batch event"]) -> Float[Array, "*batch event"]:
-        """Data to standardised units: `(x - mean) / scale`."""
+        """Data to standardised units: `(x - mean) / scale`. Host data (NumPy, lists)
+        is mapped in float64 NumPy, so that a large offset (times near 1.7e9, say)
+        keeps its precision; a JAX array in its own dtype."""
+        if self._host(x):
+            mean, scale = (np.asarray(v, np.float64) for v in (self.mean, self.scale))
+            return (np.asarray(x, np.float64) - mean) / scale
         x = jnp.asarray(x)
         mean, scale = self._constants(x)
         return (x - mean) / scale
 
     def inverse(self, y: Float[Array, "*batch event"]) -> Float[Array, "*batch event"]:
-        """Standardised units back to data: `mean + scale * y`."""
+        """Standardised units back to data: `mean + scale * y`; in float64 NumPy for
+        host data, as [`forward`][cnftrace.Standardization.forward]."""
+        if self._host(y):
+            mean, scale = (np.asarray(v, np.float64) for v in (self.mean, self.scale))
+            return mean + scale * np.asarray(y, np.float64)
         y = jnp.asarray(y)
         mean, scale = self._constants(y)
         return mean + scale * y
+
+
+def standardize_on_host(flow, x):
+    """`(inner, y, log_det)` for host data `x` (not a JAX array) of floating dtype
+    given to a [`StandardizedFlow`][cnftrace.StandardizedFlow]: its inner flow, `x`
+    standardised in float64 on the host, and the map's log-determinant, so that
+    `flow`'s log-density of `x` is `inner`'s of `y` plus `log_det`. Otherwise
+    `(flow, x, 0.0)`: JAX arrays, other flows, and input the flow's own checks
+    refuse (a wrong shape, integers) are left to them."""
+    if not isinstance(flow, StandardizedFlow) or not flow.standardization._host(x):
+        return flow, x, 0.0
+    host = np.asarray(x)
+    shape = tuple(flow.event_shape)
+    if not (
+        np.issubdtype(host.dtype, np.floating)
+        and host.dtype.itemsize >= 4
+        and shape in (host.shape, host.shape[1:])
+    ):
+        return flow, x, 0.0
+    std = flow.standardization
+    return flow.flow, std.forward(host), float(std.log_det)
 
 
 class StandardizedFlow(AbstractFlow):
@@ -183,6 +242,19 @@ class StandardizedFlow(AbstractFlow):
     @property
     def context_dim(self) -> int | None:
         return self.flow.context_dim
+
+    def log_prob(self, x, *, context=None, key=None, return_stats=False):
+        """As [`AbstractFlow.log_prob`][cnftrace.AbstractFlow.log_prob]. Host data
+        (NumPy, lists) is standardised on the host in float64 first, then given to
+        the inner flow, so that a large offset keeps its precision."""
+        settings = dict(context=context, key=key, return_stats=return_stats)
+        inner, y, log_det = standardize_on_host(self, x)
+        if inner is self:
+            return super().log_prob(x, **settings)
+        out = inner.log_prob(y, **settings)
+        if return_stats:
+            return out[0] + log_det, out[1]
+        return out + log_det
 
     def with_estimator(self, estimator: AbstractEstimator) -> "StandardizedFlow":
         return StandardizedFlow(

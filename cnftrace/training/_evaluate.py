@@ -4,7 +4,6 @@ import math
 
 import diffrax
 import equinox as eqx
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float
@@ -12,7 +11,13 @@ from jaxtyping import Array, Float
 from .._checks import check_context, check_int
 from .._custom_types import Key
 from ..estimators import AbstractEstimator, Exact
-from ..flows import AbstractFlow, SolverError, need_key, validate_input
+from ..flows import (
+    AbstractFlow,
+    SolverError,
+    need_key,
+    standardize_on_host,
+    validate_input,
+)
 
 
 class NLL(eqx.Module):
@@ -88,6 +93,9 @@ def log_prob_batched(
     on the host (NaN or inf raise a `ValueError`), and a failed solve raises a
     [`SolverError`][cnftrace.SolverError] with diffrax's message: the compiled
     program holds no host callback, so JAX's persistent compilation cache keeps it.
+    Host data (NumPy) given to a [`StandardizedFlow`][cnftrace.StandardizedFlow] is
+    standardised on the host in float64 first, and its inner flow evaluated (plus
+    the standardisation's log-determinant), so a large offset keeps its precision.
 
     !!! example
 
@@ -100,6 +108,7 @@ def log_prob_batched(
         ```
     """
     check_int("batch_size", batch_size)
+    flow, x, log_det = standardize_on_host(flow, x)
     x, unbatched = validate_input(x, flow.event_shape, "x")
     if unbatched:
         raise ValueError(
@@ -128,6 +137,7 @@ def log_prob_batched(
         values.append(np.asarray(lp))
         nfes.append(float(nfe))
     lp = np.concatenate(values)
+    lp = lp + np.asarray(log_det, lp.dtype)
     return (lp, float(np.mean(nfes))) if return_nfe else lp
 
 
@@ -171,10 +181,10 @@ def evaluate_nll(
         print(nll)  # e.g. "2.9 ± 0.1 nats"
         ```
     """
-    x = jnp.asarray(x)
-    if x.ndim < 2 or x.shape[0] < 2:
+    shape = np.shape(x)  # not cast yet: a host array keeps its float64
+    if len(shape) < 2 or shape[0] < 2:
         raise ValueError(
-            f"`x` must be a batch of at least 2 samples; got shape {x.shape}."
+            f"`x` must be a batch of at least 2 samples; got shape {shape}."
         )
     lp, nfe = log_prob_batched(
         flow,
