@@ -334,3 +334,20 @@ def test_9_eval_n_takes_the_first_rows_of_the_test_split(epoch_run, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "first N rows" in " ".join(capsys.readouterr().out.split())
+
+
+# 10. A file too small for a held-out standard error: refused before config.json.
+
+
+def test_10_a_file_with_one_validation_row_is_refused_before_anything_is_written(
+    tmp_path, capsys
+):
+    rows = np.random.default_rng(0).standard_normal((10, 2))
+    path = _csv(str(tmp_path / "ten.csv"), rows, header="x,y")
+    run = str(tmp_path / "run")
+    argv = ["train", "--data", path, "--run-dir", run, *TINY]
+    _fails(argv, ["has 10 row(s)", "needs at least 15", "two to validate"], capsys)
+    assert not os.path.exists(run)
+    # Fifteen rows are enough: two to validate and two to test.
+    train, val, test = split_table(np.arange(15.0)[:, None], seed=0)
+    assert (len(train), len(val), len(test)) == (11, 2, 2)

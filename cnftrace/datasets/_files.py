@@ -537,7 +537,8 @@ def _min_rows(val_fraction: float, test_fraction: float) -> int:
     n = 1
     while True:
         n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
-        if n_train >= 2 and n_test >= 1 and (n_val >= 1 or val_fraction == 0):
+        # Two of each: a validation or test NLL comes with its standard error.
+        if n_train >= 2 and n_test >= 2 and (n_val >= 2 or val_fraction == 0):
             return n
         n += 1
 
@@ -566,8 +567,9 @@ def split_table(
     **Returns:**
 
     [`Splits`][cnftrace.datasets.Splits]`(train, val, test)`. A `ValueError` says how
-    many rows the fractions need when `data` has too few (two training rows, one
-    test row and, unless `val_fraction` is 0, one validation row).
+    many rows the fractions need when `data` has too few (two training rows, two
+    test rows and, unless `val_fraction` is 0, two validation rows: a held-out NLL
+    comes with its standard error).
 
     !!! example
 
@@ -575,8 +577,8 @@ def split_table(
         import numpy as np
         from cnftrace.datasets import split_table
 
-        train, val, test = split_table(np.arange(20.0).reshape(10, 2), seed=1)
-        print(train.shape, val.shape, test.shape)  # (8, 2) (1, 2) (1, 2)
+        train, val, test = split_table(np.arange(40.0).reshape(20, 2), seed=1)
+        print(train.shape, val.shape, test.shape)  # (16, 2) (2, 2) (2, 2)
         ```
     """
     for label, value, low_open in (
@@ -599,7 +601,7 @@ def split_table(
         raise ValueError(
             f"{name} has {n} row(s); a split with validation fraction {val_fraction} "
             f"and test fraction {test_fraction} needs at least {need} (two to train "
-            "on, one to test, one to validate). Add rows, or change the fractions."
+            "on, two to test, two to validate). Add rows, or change the fractions."
         )
     perm = np.random.default_rng(seed).permutation(n)
     test, val, train = np.split(perm, [n_test, n_test + n_val])
