@@ -11,8 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "cnftrace")
-# Bottom to top; a layer may import the layers before it. `_io`, `_checks` and
-# `_custom_types` are the bottom of all.
+# Bottom to top; a layer may import the layers before it. `_io`, `_checks`,
+# `_custom_types` and `_recipe` (the default settings) are the bottom of all.
 LAYERS = (
     "estimators",
     "ode",
@@ -25,7 +25,7 @@ LAYERS = (
     "runs",
     "cli",
 )
-BASE = ("_io", "_checks", "_custom_types")
+BASE = ("_io", "_checks", "_custom_types", "_recipe")
 MODULES = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
 
 

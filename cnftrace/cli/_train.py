@@ -52,6 +52,11 @@ def cmd_train(args) -> int:
     # Every data file is read and checked here, before anything is written.
     source, pinned = training_source(config)
     config = dataclasses.replace(config, **pinned)
+    # What the default recipe leaves to the data: its dimension and training rows.
+    rows = None if source.reference is None else int(source.reference.shape[0])
+    config = config.for_data(source.dim, rows, _existing_run(config.run_dir))
+    if config.recipe is not None:
+        print(f"recipe: {config.recipe}", flush=True)
     check_fits_in_memory("--batch-size", config.batch_size, source.dim)
     check_model_fits_in_memory(config)
     check_probes_fit_in_memory(config, source.dim)
@@ -126,6 +131,12 @@ def initialize_distributed() -> None:
             "Open MPI or Cloud TPU, set JAX_COORDINATOR_ADDRESS=host:port (process "
             "0's address), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."
         ) from None
+
+
+def _existing_run(run_dir: str) -> RunConfig | None:
+    """The settings of the run already in `run_dir`, or `None` for a new one."""
+    path = os.path.join(run_dir, "config.json")
+    return read_config(path) if os.path.lexists(path) else None
 
 
 def _write_config(config: RunConfig) -> None:
@@ -217,7 +228,7 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
             checkpoints=Checkpoints(
                 os.path.join(config.run_dir, "checkpoints"),
                 every=config.checkpoint_every,
-                config=config.stored(),
+                config=config.compared(),
             ),
             progress=tty,
             on_log=on_log,

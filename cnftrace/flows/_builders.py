@@ -9,6 +9,7 @@ import jax.random as jr
 
 from .._checks import check_int
 from .._custom_types import Key
+from .._recipe import default_width
 from ..estimators import AbstractEstimator
 from ..nets import ConcatSquashMLP, MLPField
 from ._base import AbstractFlow
@@ -47,7 +48,7 @@ def mlp_flow(
     key: Key,
     field: str = "mlp",
     blocks: int = 1,
-    width: int = 64,
+    width: int | None = None,
     depth: int = 3,
     activation: str | Callable | None = None,
     t1: float = 0.5,
@@ -72,7 +73,9 @@ def mlp_flow(
         split with `jax.random.split(key, blocks)` for several.
     - `field`: `"mlp"` ([`MLPField`][cnftrace.MLPField]) or `"concatsquash"`
         ([`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]).
-    - `blocks`, `width`, `depth`: the architecture.
+    - `blocks`, `width`, `depth`: the architecture. The width follows `dim` by
+        default ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5
+        dimensions, 64 more per 5 more, at most 512).
     - `activation`: `"silu"`, `"tanh"`, `"softplus"`, `"elu"` or any function;
         `None` for the field's default (SiLU for `"mlp"`, tanh for
         `"concatsquash"`).
@@ -100,6 +103,9 @@ def mlp_flow(
     if activation is None:
         activation = DEFAULT_ACTIVATION[field]
     act = _lookup(ACTIVATIONS, "activation", activation)
+    if width is None:
+        check_int("dim", dim)
+        width = default_width(dim)
     make_field = MLPField if field == "mlp" else ConcatSquashMLP
     solver_type = _lookup(SOLVERS, "solver", solver)
     keys = [key] if blocks == 1 else list(jr.split(key, blocks))

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int
 from .._custom_types import Key
+from .._recipe import default_width
 
 
 def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
@@ -208,7 +209,9 @@ class MLPField(eqx.Module):
     **Arguments:**
 
     - `dim`: the data dimension.
-    - `width`: hidden width.
+    - `width`: hidden width; by default it follows `dim`
+        ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5 dimensions, 64 more
+        per 5 more, at most 512).
     - `depth`: number of hidden layers.
     - `activation`: applied after every hidden layer; SiLU by default (it learned
         twice as much per step as tanh on the docs' quality page). Anything smooth,
@@ -241,7 +244,7 @@ class MLPField(eqx.Module):
     def __init__(
         self,
         dim: int,
-        width: int = 64,
+        width: int | None = None,
         depth: int = 3,
         activation: Callable[[Array], Array] = jax.nn.silu,
         *,
@@ -258,8 +261,11 @@ class MLPField(eqx.Module):
             ("freqs", freqs, 0),
             ("context_dim", context_dim, 0),
         ):
+            if name == "width" and value is None:
+                continue  # chosen below, once `dim` is checked
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+        width = default_width(dim) if width is None else width
         if not callable(activation):
             raise TypeError(
                 f"`activation` must be a function such as `jax.nn.tanh`; got "

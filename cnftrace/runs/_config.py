@@ -15,12 +15,16 @@ import os
 from typing import Any
 
 from .._io import FileKindError, read_regular_file
+from .._recipe import default_recipe
 from ..datasets import ALL_DATASETS
 from ..flows import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
 
 _REQUIRED = object()  # no value to assume for a config written without the key
+# Stored settings that only describe the others (what the default recipe chose, and
+# why): never compared on resume, nor with a checkpoint.
+DERIVED = ("recipe",)
 GROUPS = ("data", "model", "training", "run")
 # The length and batch size of training by data set, where the general default
 # (`None`) falls short: checkerboard's sharp edges need more and less noisy steps.
@@ -178,7 +182,15 @@ class RunConfig:
         choices=list(FIELDS),
     )
     blocks: int = _setting(1, _MODEL, "number of CNF blocks", low=1)
-    width: int = _setting(64, _MODEL, "hidden units", low=1)
+    width: int | None = _setting(
+        None,
+        _MODEL,
+        "hidden units",
+        shown="follows the data: 64 up to 5 dimensions, 64 more per 5 more, at most "
+        "512, as cnftrace.default_recipe says",
+        low=1,
+        type=int,
+    )
     depth: int = _setting(3, _MODEL, "hidden layers per block", low=0)
     activation: str | None = _setting(
         None,
@@ -276,6 +288,9 @@ class RunConfig:
         type=int,
     )
     seed: int = _setting(0, _TRAINING, "seed of the initialisation and the batches")
+    # What the default recipe chose for the data, and why (a line the command
+    # prints); derived from the other settings, so never compared on resume.
+    recipe: str | None = _setting(None, _TRAINING, None, legacy=None, flag=False)
     # The run.
     run_dir: str = _setting(
         None, _RUN, "directory of this run", stored=False, required=True
@@ -405,7 +420,28 @@ class RunConfig:
             values["activation"] = DEFAULT_ACTIVATION[self.field]
         return dataclasses.replace(self, **values)
 
+    def for_data(
+        self, dim: int, rows: int | None, run: "RunConfig | None" = None
+    ) -> "RunConfig":
+        """The settings that follow the data's dimension `dim` and training `rows`
+        (`None`: samples without end) filled in from
+        [`default_recipe`][cnftrace.default_recipe], with `recipe` saying what was
+        chosen and why. A setting left to the recipe on a directory that already
+        holds a `run` takes that run's value (and its `recipe` line), so that a run
+        started under an older recipe resumes as it began."""
+        if self.width is not None:
+            return self
+        if run is not None and run.width is not None:
+            return dataclasses.replace(self, width=run.width, recipe=run.recipe)
+        chosen = default_recipe(dim, rows)
+        return dataclasses.replace(self, width=chosen.width, recipe=chosen.reason)
+
     # ------------------------------------------------------------ config.json
+
+    def compared(self) -> dict[str, Any]:
+        """The stored settings that a resumed run and its checkpoints must share:
+        `stored()` less the `DERIVED` ones."""
+        return {k: v for k, v in self.stored().items() if k not in DERIVED}
 
     def stored(self) -> dict[str, Any]:
         """The settings kept in `config.json`, as JSON values."""
@@ -453,7 +489,9 @@ class RunConfig:
         return [
             f"{name}: {there[name]!r} there, {value!r} now"
             for name, value in self.stored().items()
-            if name != "data_file" and not same_value(there[name], value)
+            if name != "data_file"
+            and name not in DERIVED
+            and not same_value(there[name], value)
         ]
 
 

@@ -173,10 +173,10 @@ def _setting_differences(saved: dict, config: RunConfig) -> list[str]:
     do in an old `config.json`."""
     settings = {k: v for k, v in saved.items() if not k.startswith("fit.")}
     try:
-        there = RunConfig.from_stored(settings, "the checkpoint").stored()
+        there = RunConfig.from_stored(settings, "the checkpoint").compared()
     except CheckpointError:  # unknown or missing settings: compared as they are
         there = settings
-    here = config.stored()
+    here = config.compared()
 
     def shown(values: dict, name: str) -> str:
         text = repr(values[name]) if name in values else "nothing"

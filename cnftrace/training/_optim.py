@@ -4,10 +4,11 @@ gradients clipped."""
 import optax
 
 from .._checks import check_int
+from .._recipe import BATCH_SIZE, LR
 
-# The defaults of `fit` and `Trainer`, in one place.
-DEFAULT_BATCH_SIZE = 512
-DEFAULT_LR = 3e-3
+# The defaults of `fit` and `Trainer`, from the default recipe.
+DEFAULT_BATCH_SIZE = BATCH_SIZE
+DEFAULT_LR = LR
 
 
 def default_optimizer(steps: int | None) -> optax.GradientTransformation:

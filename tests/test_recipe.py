@@ -1,0 +1,118 @@
+"""The default recipe (issue 37): the settings that follow the data's dimension and
+size, chosen in one place and used by `MLPField`, `mlp_flow`, `fit` and `cnftrace
+train`. Nothing here trains: `fit` is replaced by a recorder where a run starts."""
+
+import json
+import os
+
+import jax
+import jax.random as jr
+import numpy as np
+import pytest
+
+import cnftrace
+from cnftrace.cli import main
+from cnftrace.training import _optim
+
+TINY = ["--steps", "2", "--batch-size", "16", "--depth", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    "dim, width", [(1, 64), (2, 64), (5, 64), (6, 128), (10, 128), (11, 192),
+                   (20, 256), (40, 512), (64, 512), (784, 512)],
+)  # fmt: skip
+def test_the_width_follows_the_dimension(dim, width):
+    recipe = cnftrace.default_recipe(dim)
+    assert recipe.width == width and recipe.depth == 3
+    assert f"{dim} dimension" in recipe.reason and f"width {width}" in recipe.reason
+    # fit's and Trainer's defaults are the recipe's.
+    assert recipe.batch_size == _optim.DEFAULT_BATCH_SIZE
+    assert recipe.lr == _optim.DEFAULT_LR
+    assert "400 training rows" in cnftrace.default_recipe(dim, rows=400).reason
+
+
+def test_the_recipe_refuses_what_is_not_a_size():
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ValueError, match="`dim` must be an int >= 1"):
+            cnftrace.default_recipe(bad)
+    with pytest.raises(ValueError, match="`rows` must be an int >= 1"):
+        cnftrace.default_recipe(3, rows=0)
+
+
+def _hidden_width(field) -> int:
+    return field.mlp.layers[0].weight.shape[0]
+
+
+def test_the_models_take_their_width_from_the_recipe():
+    key = jr.key(0)
+    assert _hidden_width(cnftrace.MLPField(10, key=key)) == 128
+    assert _hidden_width(cnftrace.MLPField(2, key=key)) == 64
+    assert _hidden_width(cnftrace.MLPField(10, 32, key=key)) == 32  # given: kept
+    assert _hidden_width(cnftrace.mlp_flow(20, key=key).vector_field) == 256
+    blocks = cnftrace.mlp_flow(12, key=key, blocks=2, depth=1).blocks
+    assert [_hidden_width(b.vector_field) for b in blocks] == [192, 192]
+    squash = cnftrace.mlp_flow(10, key=key, field="concatsquash").vector_field
+    assert squash.layers[0].linear.weight.shape[0] == 128
+    with pytest.raises(ValueError, match="`dim` must be an int >= 1"):
+        cnftrace.mlp_flow(0, key=key)
+
+
+def _train(tmp_path, monkeypatch, argv, capsys):
+    """`cnftrace train ARGV` up to `fit`: the flow it would train, and stdout."""
+    seen = {}
+
+    def recorder(flow, data, *, steps, **kwargs):
+        seen["flow"] = flow
+        return flow, {"step": [steps], "loss": [0.0]}
+
+    monkeypatch.setattr("cnftrace.cli._train.fit", recorder)
+    with jax.enable_x64(False):
+        assert main(["train", *argv, *TINY]) == 0
+    return seen["flow"], capsys.readouterr().out
+
+
+def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
+    x = np.random.default_rng(0).standard_normal((300, 7))
+    data = str(tmp_path / "seven.csv")
+    np.savetxt(data, x, delimiter=",")
+    run = str(tmp_path / "run")
+    argv = ["--data", data, "--run-dir", run]
+    flow, out = _train(tmp_path, monkeypatch, argv, capsys)
+    assert _hidden_width(flow.vector_field) == 128
+    lines = [ln for ln in out.splitlines() if ln.startswith("recipe:")]
+    assert len(lines) == 1
+    assert "7 dimensions, 240 training rows: width 128" in lines[0]
+    with open(os.path.join(run, "config.json")) as f:
+        stored = json.load(f)
+    assert stored["width"] == 128 and stored["recipe"] in lines[0]
+    # A width given on the command line is the user's: nothing is chosen.
+    run2 = str(tmp_path / "run2")
+    argv = ["--data", data, "--run-dir", run2, "--width", "8"]
+    flow, out = _train(tmp_path, monkeypatch, argv, capsys)
+    assert _hidden_width(flow.vector_field) == 8 and "recipe:" not in out
+    with open(os.path.join(run2, "config.json")) as f:
+        assert json.load(f)["recipe"] is None
+
+
+def test_a_run_begun_under_an_older_recipe_resumes_as_it_began(
+    tmp_path, monkeypatch, capsys
+):
+    x = np.random.default_rng(1).standard_normal((200, 10))
+    data = str(tmp_path / "ten.csv")
+    np.savetxt(data, x, delimiter=",")
+    run = str(tmp_path / "run")
+    argv = ["--data", data, "--run-dir", run]
+    _train(tmp_path, monkeypatch, [*argv, "--width", "64"], capsys)
+    # The run as an older cnftrace wrote it: 64 wide, no recipe line.
+    path = os.path.join(run, "config.json")
+    with open(path) as f:
+        stored = json.load(f)
+    del stored["recipe"]
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    flow, out = _train(tmp_path, monkeypatch, argv, capsys)  # no --width: resumes
+    assert _hidden_width(flow.vector_field) == 64  # not the 128 of today's recipe
+    # Another width given on purpose is still another run.
+    with pytest.raises(SystemExit):
+        _train(tmp_path, monkeypatch, [*argv, "--width", "128"], capsys)
+    assert "width: 64 there, 128 now" in capsys.readouterr().err
