@@ -33,6 +33,7 @@ import numpy as np
 
 import cnftrace
 from cnftrace.datasets import (
+    KnownDensity,
     gaussian_mixture,
     rotated_product,
     toy_entropy,
@@ -46,13 +47,15 @@ DENSITIES = ("product5", "mixture12", "8gaussians", "checkerboard", "rings")
 
 
 class Target:
-    """One density of B4: its dimension, a sampler `(key, n) -> (n, d)` (JAX's default
-    float), and the true log-density of test points (`None` where only the entropy is
-    known)."""
+    """One density of B4 (or, given its `density`, any `KnownDensity`, as B5 does):
+    its dimension, a sampler `(key, n) -> (n, d)` (JAX's default float), and the true
+    log-density of test points (`None` where only the entropy is known)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, density: KnownDensity | None = None):
         self.name = name
-        if name == "product5":
+        if density is not None:
+            pass
+        elif name == "product5":
             density = rotated_product(5, seed=0)
         elif name == "mixture12":
             density = gaussian_mixture(12, components=6, seed=0)
@@ -92,6 +95,26 @@ def gap_and_se(target: Target, test, model_logp: np.ndarray) -> tuple[float, flo
     else:
         diff = true - model_logp
     return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(diff.size))
+
+
+def zuko_at_seconds(
+    zuko_peer, target: Target, test, seconds: float, model: str, batch: int = 512
+) -> dict:
+    """zuko's `model` ("cnf" or "nsf", see `zuko_peer.MODELS`) trained on fresh
+    samples of `target`, `batch` a step, Adam 1e-3, for `seconds` training seconds,
+    and its gap on `test`."""
+    z = zuko_peer.zuko_b4(
+        target.sample,
+        target.dim,
+        None,
+        batch,
+        np.asarray(test),
+        max_train_s=seconds,
+        model=model,
+    )
+    gap, se = gap_and_se(target, test, z["final_logp"])
+    peer = {key: z[key] for key in ("system", "model", "train_s", "steps_done")}
+    return dict(peer, batch=batch, gap=gap, gap_se=se)
 
 
 def cnftrace_log_prob(flow, test, chunk: int = 2000) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The zuko peer for B1 and B2 (see `common.py` and `shared/BENCHMARK.md`).
+"""The zuko peer for B1, B2, B4 and B5 (see `common.py` and `shared/BENCHMARK.md`).
 
 zuko 1.6's `zuko.flows.CNF` is configured as close to our protocol as its constructor
 allows: an MLP with hidden features (64, 64, 64) and tanh, atol = rtol = 1e-5, float32,
@@ -44,6 +44,9 @@ evaluation. zuko's error norm is a max over the chunk, so the chunk size changes
 evaluation's step count slightly (not its tolerance).
 """
 
+import copy
+import itertools
+import math
 import time
 
 import jax
@@ -244,6 +247,20 @@ def _b4_flow(dim: int) -> zuko.flows.CNF:
     return flow
 
 
+def _nsf(dim: int) -> zuko.flows.NSF:
+    """The discrete flow of B4 and B5, what a user of zuko would pick first: neural
+    spline flow, 5 transforms, hidden (64, 64), 8 bins."""
+    return zuko.flows.NSF(dim, transforms=5, hidden_features=(64, 64), bins=8)
+
+
+MODELS = {"cnf": _b4_flow, "nsf": _nsf}
+MODEL_NOTES = {
+    "cnf": "zuko.flows.CNF, hidden (64, 64, 64), tanh, span [0, 0.5], exact trace, "
+    "atol 1e-6, rtol 1e-5",
+    "nsf": "zuko.flows.NSF(d, transforms=5, hidden_features=(64, 64), bins=8)",
+}
+
+
 def _log_prob_chunks(flow, x: torch.Tensor, chunk: int = 2000) -> np.ndarray:
     out = []
     with torch.no_grad():
@@ -255,7 +272,7 @@ def _log_prob_chunks(flow, x: torch.Tensor, chunk: int = 2000) -> np.ndarray:
 def zuko_b4(
     sample,
     dim: int,
-    steps: int,
+    steps: int | None,
     batch: int,
     test: np.ndarray,
     eval_at_s: tuple[float, ...] = (),
@@ -263,14 +280,18 @@ def zuko_b4(
     lr: float = 1e-3,
     threads: int | None = None,
     max_train_s: float | None = None,
+    model: str = "cnf",
 ) -> dict:
-    """B4: train zuko's CNF for `steps` steps of `batch` samples from `sample(key, n)`
-    (a JAX sampler, the same as cnftrace's), with the exact per-sample log-densities
-    of `test` at each training second in `eval_at_s` and at the end (evaluations off
-    the clock). With `max_train_s`, training stops once that many seconds are spent
-    (`steps_done` says where)."""
+    """B4 and B5: train zuko's CNF (or, with `model="nsf"`, its NSF) for `steps` steps
+    of `batch` samples from `sample(key, n)` (a JAX sampler, the same as cnftrace's),
+    with the exact per-sample log-densities of `test` at each training second in
+    `eval_at_s` and at the end (evaluations off the clock). With `max_train_s`,
+    training stops once that many seconds are spent (`steps_done` says where);
+    `steps=None` trains until then."""
+    if steps is None and max_train_s is None:
+        raise ValueError("give `steps`, `max_train_s` or both.")
     threads = _setup_torch(seed, threads)
-    flow = _b4_flow(dim)
+    flow = MODELS[model](dim)
     opt = torch.optim.Adam(flow.parameters(), lr=lr)
     x_test = torch.from_numpy(np.array(test, dtype=np.float32))
     key = jax.random.fold_in(jax.random.key(seed), 1)
@@ -278,7 +299,7 @@ def zuko_b4(
     pending = sorted(eval_at_s)
     at_s = []
     train_s = 0.0
-    for i in range(steps):
+    for i in itertools.count() if steps is None else range(steps):
         t0 = time.perf_counter()
         x = np.array(sample(jax.random.fold_in(key, i), batch), dtype=np.float32)
         x = torch.from_numpy(x)
@@ -293,10 +314,68 @@ def zuko_b4(
             break
     return {
         "system": f"zuko {zuko.__version__}",
+        "model": MODEL_NOTES[model],
         "steps_done": i + 1,
         "train_s": train_s,
         "final_logp": _log_prob_chunks(flow, x_test),
         "at_s": at_s,
+        "threads": threads,
+    }
+
+
+def zuko_table_nsf(
+    train: np.ndarray,
+    val: np.ndarray,
+    test: np.ndarray,
+    budget_s: float,
+    batch: int = 512,
+    seed: int = 0,
+    lr: float = 1e-3,
+    val_every: int = 100,
+    patience: int = 10,
+    threads: int | None = None,
+) -> dict:
+    """B5's real files: zuko's NSF trained on the rows of `train` (min(`batch`, rows)
+    drawn without replacement each step, Adam at `lr`) for `budget_s` training
+    seconds, validated on `val` every `val_every` steps and at the end (off the
+    clock), stopping early after `patience` validations without improvement; the
+    parameters with the best validation NLL are scored. Returns the per-row
+    log-densities of `test` (float64, in the units of the rows given), the steps and
+    seconds spent and the best validation step and NLL."""
+    threads = _setup_torch(seed, threads)
+    rng = np.random.default_rng(seed)
+    flow = _nsf(train.shape[1])
+    opt = torch.optim.Adam(flow.parameters(), lr=lr)
+    x_train = torch.from_numpy(np.asarray(train, np.float32))
+    x_val = torch.from_numpy(np.asarray(val, np.float32))
+    n, size = x_train.shape[0], min(batch, x_train.shape[0])
+    best = (math.inf, 0, copy.deepcopy(flow.state_dict()))
+    train_s, step, waited = 0.0, 0, 0
+    while train_s < budget_s and waited < patience:
+        t0 = time.perf_counter()
+        x = x_train[torch.from_numpy(rng.choice(n, size=size, replace=False))]
+        loss = -flow().log_prob(x).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        train_s += time.perf_counter() - t0
+        step += 1
+        if step % val_every == 0 or train_s >= budget_s:
+            nll = float(-_log_prob_chunks(flow, x_val).mean())
+            if nll < best[0]:  # NaN never is
+                best, waited = (nll, step, copy.deepcopy(flow.state_dict())), 0
+            else:
+                waited += 1
+    flow.load_state_dict(best[2])
+    x_test = torch.from_numpy(np.asarray(test, np.float32))
+    return {
+        "system": f"zuko {zuko.__version__}",
+        "model": MODEL_NOTES["nsf"],
+        "steps_done": step,
+        "train_s": train_s,
+        "best_step": best[1],
+        "best_val_nll": best[0],
+        "test_logp": _log_prob_chunks(flow, x_test),
         "threads": threads,
     }
 

@@ -1,0 +1,546 @@
+"""B5, quality across dimension and data size: cnftrace as a user gets it, beside what
+they would otherwise pick, on constructed densities of growing dimension and on real
+tables that installed packages ship.
+
+Half `dims`: `warped_product(d)` (exact log-density; non-Gaussian marginals, several
+modes, volume-preserving banana warps, a rotation) at each d of `--dims`. cnftrace
+runs the README's recipe with every default: `mlp_flow(d, key=...)` and `fit(flow,
+sampler, key=..., steps=STEPS)`; the width, depth and batch it then used are read off
+the built flow and the sampler's calls and recorded. zuko's NSF (5 transforms, 64 x 2,
+8 bins) and CNF (B4's) train on the same fresh samples, Adam 1e-3, batch 512, for the
+same training seconds as cnftrace took. Gap = model NLL - true NLL on the same held-out
+points (20,000 by default), exact trace, with its paired standard error.
+
+Half `files`: real tables shipped by scikit-learn and matplotlib (no downloads; see
+`TABLES`), each written to a CSV and trained on by `cnftrace train --data FILE
+--run-dir DIR` with no other flags, then `cnftrace eval DIR`. The baselines use the same
+split (`split_table(data, val_fraction=0.1, test_fraction=0.1, seed=0)`, the command
+line's defaults), are fitted on the training rows (those cnftrace trains on; it
+early-stops on the validation rows) and are scored on the test rows in the data's
+units: a full-covariance Gaussian (the same as `eval.json`'s `gaussian_baseline_nll`,
+checked), a Gaussian mixture (full covariance, 1-8 components chosen by BIC), a
+Gaussian KDE with a bandwidth chosen by 5-fold cross-validation, and zuko's NSF for the
+training seconds cnftrace took, early-stopped on the validation rows. The mixture, the
+KDE and the NSF see the data standardised by the training rows' mean and standard
+deviation (as cnftrace does) and are scored in the data's units through the
+standardisation's log-determinant.
+
+    python -m experiments.bench.b5 --half dims --dims 2,5,10 --steps 2000
+    python -m experiments.bench.b5 --half files
+"""
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import equinox as eqx
+import jax
+import jax.random as jr
+import numpy as np
+
+import cnftrace
+from cnftrace.datasets import read_table, split_table, warped_product
+from experiments._common import (
+    RESULTS as RESULTS_DIR,
+    atomic_write,
+    markdown_table,
+    progress,
+)
+from experiments.bench import tables
+from experiments.bench.b4 import Target, cnftrace_log_prob, gap_and_se, zuko_at_seconds
+
+DIMS = (2, 5, 10, 20, 40)
+PEERS = ("nsf", "cnf")
+FILES = tuple(tables.TABLES)
+SPLIT = dict(val_fraction=0.1, test_fraction=0.1, seed=0)  # the command line's
+
+
+def _bench_peer():
+    """zuko's peer module, or the reason it cannot be imported (no bench extra)."""
+    try:
+        from experiments.bench import zuko_peer
+    except ImportError as e:
+        return None, str(e)
+    return zuko_peer, None
+
+
+# ---------------------------------------------------------------- constructed densities
+
+
+def architecture(flow) -> dict:
+    """What a flow's default model turned out to be: the number of blocks, and the
+    first block's field type, hidden widths and depth (read off its linear layers:
+    every `eqx.nn.Linear` but the output one is a hidden layer), and the parameter
+    count."""
+    blocks = flow.blocks
+    field = blocks[0].vector_field
+    linears = [
+        leaf
+        for leaf in jax.tree_util.tree_leaves(
+            field, is_leaf=lambda x: isinstance(x, eqx.nn.Linear)
+        )
+        if isinstance(leaf, eqx.nn.Linear)
+    ]
+    widths = [layer.out_features for layer in linears[:-1]]
+    params = eqx.filter(flow, eqx.is_inexact_array)
+    return {
+        "blocks": len(blocks),
+        "field": type(field).__name__,
+        "width": widths[0] if len(set(widths)) == 1 else widths,
+        "depth": len(widths),
+        "params": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
+    }
+
+
+def cnftrace_default(target: Target, steps: int, test, seed: int = 0) -> dict:
+    """The README's recipe on `target` with `fit`'s defaults (only `steps` given):
+    training seconds (compile included), the exact-trace gap, and the recipe the
+    defaults picked (the batch is read off the sizes `fit` asks the sampler for)."""
+    model_key, train_key = jr.split(jr.key(seed))
+    flow = cnftrace.mlp_flow(target.dim, key=model_key)
+    sizes = set()
+
+    def sample(key, n):
+        sizes.add(int(n))
+        return target.sample(key, n)
+
+    start = time.perf_counter()
+    # Only the progress bar is not fit's default: shown on a terminal, not in a log.
+    trained, history = cnftrace.fit(
+        flow, sample, key=train_key, steps=steps, progress=progress()
+    )
+    train_s = time.perf_counter() - start
+    gap, se = gap_and_se(target, test, cnftrace_log_prob(trained, test))
+    recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
+    recipe["sampler_sizes"] = sorted(sizes)  # fit's shape check asks for 2 first
+    return {
+        "system": f"cnftrace {cnftrace.__version__}",
+        "recipe": recipe,
+        "train_s": train_s,
+        "gap": gap,
+        "gap_se": se,
+        "loss_last": float(history["loss"][-1]),
+        "nfe_last": history["nfe"][-1],
+    }
+
+
+def run_dims(
+    dims=DIMS,
+    steps: int = 2000,
+    test_size: int = 20_000,
+    peers=PEERS,
+    peer_seconds: float | None = None,
+    on_row=None,
+) -> dict:
+    """The `dims` half: for each d, cnftrace's defaults on `warped_product(d)`, then
+    each of zuko's `peers` for cnftrace's training seconds (`peer_seconds`, if given,
+    instead: for smoke runs). `on_row(key, row)` is called as each row is done."""
+    zuko_peer, missing = _bench_peer() if peers else (None, None)
+    out = {}
+    for d in dims:
+        target = Target(f"warped_product({d})", warped_product(d, seed=0))
+        test = target.test_set(test_size)
+        row = {"density": target.density.name, "dim": d, "n_test": test_size}
+        row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
+        row["test_true_nll"] = float(-target.true_log_prob(test).mean())
+        row["cnftrace"] = ours = cnftrace_default(target, steps, test)
+        print(f"B5 d={d}: cnftrace {ours}", flush=True)
+        seconds = ours["train_s"] if peer_seconds is None else peer_seconds
+        row["peer_budget_s"] = seconds  # cnftrace's seconds, but in smoke runs
+        for model in peers:
+            if zuko_peer is None:
+                row[f"zuko_{model}"] = {"missing": missing}
+                continue
+            peer = zuko_at_seconds(zuko_peer, target, test, seconds, model)
+            row[f"zuko_{model}"] = peer
+            print(f"B5 d={d}: zuko {model} {peer}", flush=True)
+        out[str(d)] = row
+        if on_row is not None:
+            on_row(str(d), row)
+    return out
+
+
+def _gap(result: dict) -> str:
+    return f"{result['gap']:.3f} ± {result['gap_se']:.3f}"
+
+
+def dims_markdown(res: dict) -> str:
+    rows = []
+    for row in res.values():
+        ours = row["cnftrace"]
+        r = ours["recipe"]
+        cells = [
+            row["dim"],
+            f"{r['width']}×{r['depth']}, {r['steps']} × {r['batch']}",
+            _gap(ours),
+            f"{ours['train_s']:.0f}",
+        ]
+        gaps = {"cnftrace": ours["gap"]}
+        for model in PEERS:
+            peer = row.get(f"zuko_{model}")
+            if peer is None:
+                cells.append("not run")
+            elif "missing" in peer:
+                cells.append("zuko not installed")
+            else:
+                gaps[f"zuko {model.upper()}"] = peer["gap"]
+                steps, secs = peer["steps_done"], peer["train_s"]
+                cells.append(f"{_gap(peer)} ({steps} steps, {secs:.0f} s)")
+        cells += [min(gaps, key=gaps.get), row["measured"]]
+        rows.append(cells)
+    header = ["d", "cnftrace recipe (width×depth, steps × batch)", "cnftrace gap"]
+    header += ["cnftrace s", "zuko NSF gap, same seconds", "zuko CNF gap, same seconds"]
+    header += ["best", "measured"]
+    return markdown_table(header, rows, "rlrrrrll")
+
+
+# ------------------------------------------------------------------ real tabular files
+
+
+def _cli(args, log) -> tuple[float, str]:
+    """Runs `python -m cnftrace ARGS` in a process of its own (importing the cnftrace
+    this one imports); its wall seconds and output. A failure raises with the output."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cnftrace.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "cnftrace", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    with open(log, "a") as f:
+        f.write(f"$ cnftrace {shlex.join(args)}\n{done.stdout}")
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"cnftrace {shlex.join(args)} failed ({done.returncode}):\n{done.stdout}"
+        )
+    return wall, done.stdout
+
+
+def cnftrace_cli(path: str, run_dir: str, train_args=()) -> dict:
+    """`cnftrace train --data PATH --run-dir RUN_DIR` (plus `train_args`, empty for
+    the benchmark), then `cnftrace eval RUN_DIR`: the test NLL of eval.json, the
+    training seconds of metrics.jsonl (compile included, validation not), the
+    settings the run's defaults picked, and how far it trained."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run directory would be resumed
+    os.makedirs(run_dir)
+    log = os.path.join(run_dir, "..", "commands.log")
+    train = ["train", "--data", path, "--run-dir", run_dir, *train_args]
+    train_wall, output = _cli(train, log)
+    eval_wall, _ = _cli(["eval", run_dir], log)
+    with open(os.path.join(run_dir, "eval.json")) as f:
+        evaluation = json.load(f)
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    vals = [r for r in records if "val_nll" in r]
+    settings = ("field", "blocks", "width", "depth", "steps", "batch_size", "lr")
+    return {
+        "system": f"cnftrace {cnftrace.__version__}",
+        "command": "cnftrace " + shlex.join(train),
+        "recipe": {k: config[k] for k in settings + ("patience",)},
+        "steps_done": records[-1]["step"],
+        "train_s": records[-1]["seconds"],
+        "train_command_s": train_wall,
+        "eval_command_s": eval_wall,
+        "best_val_step": min(vals, key=lambda r: r["val_nll"])["step"]
+        if vals
+        else None,
+        "eval": evaluation,
+        "nll": evaluation["test_nll"],
+        "stderr": evaluation["stderr"],
+        "output_tail": output.strip().splitlines()[-3:],
+    }
+
+
+def run_file(
+    name: str, work_dir: str, train_args=(), peers=("nsf",), peer_seconds=None
+):
+    """One table of the `files` half: its CSV, cnftrace's run, each method's test NLL
+    in the data's units (`methods`), and cnftrace's gap to the BIC mixture with its
+    paired standard error (from the run's per-row log-densities, recomputed here)."""
+    loader, source, holds = tables.TABLES[name]
+    data, names = loader()
+    path = os.path.join(work_dir, name, f"{name}.csv")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tables.write_csv(path, data, names)
+    table = read_table(path).data  # what cnftrace reads
+    if not np.array_equal(table, data):
+        raise AssertionError(f"{path} does not read back as the table written.")
+    train, val, test = split_table(table, **SPLIT)
+    row = {"source": source, "holds": holds, "rows": int(table.shape[0])}
+    row.update(columns=int(table.shape[1]), split=[len(train), len(val), len(test)])
+    row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
+
+    run_dir = os.path.join(work_dir, name, "run")
+    ours = cnftrace_cli(path, run_dir, train_args)
+    if ours["eval"]["n"] != len(test):
+        raise AssertionError(
+            f"eval.json scored {ours['eval']['n']} rows, not {len(test)}"
+        )
+    flow = cnftrace.load(run_dir)  # a StandardizedFlow: log_prob in the data's units
+    logp = {"cnftrace": np.asarray(cnftrace.log_prob_batched(flow, test), np.float64)}
+    ours["nll_reloaded"] = -float(logp["cnftrace"].mean())  # eval.json's, recomputed
+    print(f"B5 {name}: cnftrace {ours}", flush=True)
+
+    std = cnftrace.Standardization.from_data(train)
+    log_det = float(np.asarray(std.log_det))  # log p(x) = log p(z) + log_det
+    z_train, z_val, z_test = (
+        np.asarray(std.forward(x), np.float64) for x in (train, val, test)
+    )
+    methods = {"cnftrace": ours}
+    for method, result in (
+        ("gmm_bic", tables.gmm_bic(z_train, z_test)),
+        ("kde_cv", tables.kde_cv(z_train, z_test)),
+    ):
+        logp[method] = result.pop("test_logp") + log_det
+        methods[method] = result
+    logp["gaussian"] = tables.gaussian_log_prob(train, test)
+    methods["gaussian"] = {
+        "minus_eval_json": float(-logp["gaussian"].mean())
+        - ours["eval"]["gaussian_baseline_nll"]
+    }
+    zuko_peer, missing = _bench_peer() if peers else (None, None)
+    for model in peers:
+        if model != "nsf":
+            raise ValueError(f"the files half runs zuko's NSF only; got {model!r}.")
+        if zuko_peer is None:
+            methods["zuko_nsf"] = {"missing": missing}
+            continue
+        seconds = ours["train_s"] if peer_seconds is None else peer_seconds
+        row["peer_budget_s"] = seconds  # cnftrace's seconds, but in smoke runs
+        z = zuko_peer.zuko_table_nsf(z_train, z_val, z_test, seconds)
+        logp["zuko_nsf"] = z.pop("test_logp") + log_det
+        methods["zuko_nsf"] = z
+    for method, values in logp.items():
+        if method != "cnftrace":  # eval.json's figures are cnftrace's
+            methods[method].update(tables.summary(values))
+    others = {k: v for k, v in methods.items() if k != "cnftrace"}
+    print(f"B5 {name}: baselines {others}", flush=True)
+    row["methods"] = methods
+    diff = logp["gmm_bic"] - logp["cnftrace"]  # cnftrace's NLL minus the mixture's
+    row["cnftrace_minus_gmm"] = {
+        "gap": float(diff.mean()),
+        "se": float(diff.std(ddof=1) / len(diff) ** 0.5),
+    }
+    return row
+
+
+def run_files(
+    names=FILES,
+    work_dir: str | None = None,
+    train_args=(),
+    peers=("nsf",),
+    peer_seconds: float | None = None,
+    on_row=None,
+) -> dict:
+    """The `files` half, a row per table of `names`; the CSVs and run directories go
+    under `work_dir` (a new temporary directory if `None`). `train_args` are added to
+    `cnftrace train` (none for the benchmark; smoke runs shorten it) and
+    `peer_seconds` replaces cnftrace's seconds as zuko's budget (smoke runs)."""
+    work_dir = tempfile.mkdtemp(prefix="b5-files-") if work_dir is None else work_dir
+    out = {}
+    for name in names:
+        row = run_file(name, work_dir, train_args, peers, peer_seconds)
+        row["work_dir"] = os.path.join(os.path.abspath(work_dir), name)
+        out[name] = row
+        if on_row is not None:
+            on_row(name, row)
+    return out
+
+
+def _nll(result: dict) -> str:
+    return f"{result['nll']:.3f} ± {result['stderr']:.3f}"
+
+
+def files_markdown(res: dict) -> str:
+    rows = []
+    for name, row in res.items():
+        m = row["methods"]
+        ours = m["cnftrace"]
+        nsf = m.get("zuko_nsf")
+        if nsf is None:
+            nsf_cell = "not run"
+        elif "missing" in nsf:
+            nsf_cell = "zuko not installed"
+        else:
+            steps, secs = nsf["steps_done"], nsf["train_s"]
+            nsf_cell = f"{_nll(nsf)} ({steps} steps, {secs:.0f} s)"
+        scored = {k: v["nll"] for k, v in m.items() if "nll" in v}
+        gap = row["cnftrace_minus_gmm"]
+        flags = ours["command"].split("--run-dir")[1].split()[1:]
+        rows.append(
+            [
+                name,
+                f"{row['rows']} × {row['columns']}",
+                "/".join(map(str, row["split"])),
+                f"{_nll(ours)} ({ours['steps_done']} steps, {ours['train_s']:.0f} s"
+                + (f"; {' '.join(flags)}" if flags else "")
+                + ")",
+                f"{_nll(m['gmm_bic'])} (k = {m['gmm_bic']['components']})",
+                f"{_nll(m['kde_cv'])} (h = {m['kde_cv']['bandwidth']:.3g}"
+                + (", grid's edge" if m["kde_cv"]["at_edge"] else "")
+                + ")",
+                _nll(m["gaussian"]),
+                nsf_cell,
+                f"{gap['gap']:+.3f} ± {gap['se']:.3f}",
+                min(scored, key=scored.get).replace("_", " "),
+                row["measured"],
+            ]
+        )
+    header = ["file", "rows × cols", "train/val/test", "cnftrace train (no flags)"]
+    header += ["GMM, BIC", "KDE, CV", "Gaussian", "zuko NSF, same seconds"]
+    header += ["cnftrace − GMM", "best", "measured"]
+    return markdown_table(header, rows, "lrrrrrrrrll")
+
+
+# ------------------------------------------------------------------------ the command
+
+
+def section_markdown(half: str, res: dict, command: str) -> str:
+    """B5's section of the benchmark report for one half: how, then the table."""
+    when = time.strftime("%Y-%m-%d %H:%M %Z")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    head = (
+        f"Last written by `{command}` on {when} (each row's own run in its last "
+        f"column); load average then {load} on {os.cpu_count()} CPUs. "
+    )
+    if half == "dims":
+        head += (
+            "Density: `cnftrace.datasets.warped_product(d)`. Gap = model NLL − true "
+            "NLL on the same held-out points, exact trace, ± paired standard error. "
+            "cnftrace: `mlp_flow(d, key=...)` and `fit(flow, sampler, key=..., "
+            "steps=...)`, every other setting `fit`'s default (the recipe column says "
+            "what they were). zuko: `flows.NSF(d, transforms=5, hidden_features=(64, "
+            "64), bins=8)` and `flows.CNF` (hidden (64, 64, 64), tanh, span [0, 0.5], "
+            "exact trace), Adam 1e-3, batch 512, for cnftrace's training seconds. "
+            "All draw fresh samples each step."
+        )
+        return "\n".join([head, "", dims_markdown(res)])
+    head += (
+        "Test NLL (nats) in the data's units ± standard error, on the test rows of "
+        "`cnftrace train`'s split (80/10/10, seed 0). cnftrace: `cnftrace train "
+        "--data FILE --run-dir DIR` with no other flags (it early-stops on the "
+        "validation rows), then `cnftrace eval`. Baselines fitted on the same "
+        "training rows: a Gaussian mixture (full covariance, 1–8 components by "
+        "BIC), a Gaussian KDE (bandwidth by 5-fold CV), both on the standardised "
+        "rows; the full-covariance Gaussian (= eval.json's baseline); zuko's NSF on "
+        "the standardised rows for cnftrace's training seconds, Adam 1e-3, batch "
+        "min(512, rows), the best of its validations (every 100 steps, patience 10). "
+        "cnftrace − GMM: paired difference of the per-row NLLs."
+    )
+    notes = [f"- {name}: {row['source']}: {row['holds']}." for name, row in res.items()]
+    return "\n".join([head, "", files_markdown(res), "", *notes])
+
+
+def load_results(stem: str) -> dict:
+    """The rows of the last run written at `stem` (.json), or none."""
+    try:
+        with open(stem + ".json") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--half", choices=("dims", "files", "both"), default="both")
+    parser.add_argument("--dims", default=",".join(map(str, DIMS)))
+    parser.add_argument("--steps", type=int, default=2000, help="dims: fit's steps")
+    parser.add_argument("--test-size", type=int, default=20_000, help="dims")
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help="dims: zuko's models to run (none: '')"
+    )
+    parser.add_argument("--files", default=",".join(FILES))
+    parser.add_argument(
+        "--work-dir", help="files: where the CSVs and runs go (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--no-zuko", action="store_true", help="files: leave zuko's NSF out"
+    )
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="files: flags added to `cnftrace train`, for smoke runs only (the "
+        "benchmark gives none)",
+    )
+    parser.add_argument(
+        "--peer-seconds",
+        type=float,
+        help="train zuko this many seconds instead of cnftrace's (smoke runs only)",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(RESULTS_DIR, "b5"), help="results stem"
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start new tables instead of updating the rows of the last run",
+    )
+    args = parser.parse_args(argv)
+    dims = [int(d) for d in _names(args.dims)]
+    files = _names(args.files)
+    peers = _names(args.peers)
+    for label, given, known in (
+        ("--files", files, FILES),
+        ("--peers", peers, PEERS),
+    ):
+        if set(given) - set(known):
+            unknown = sorted(set(given) - set(known))
+            parser.error(f"{label}: unknown {unknown}; choose from {known}.")
+    command = "python -m experiments.bench.b5 " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+
+    def saver(half: str, order):
+        stem = f"{args.out}_{half}"
+        table = {} if args.fresh else load_results(stem)
+
+        def save(key, row):
+            table[key] = row
+            ordered = {k: table[k] for k in order if k in table}
+            ordered |= {k: v for k, v in table.items() if k not in ordered}
+            atomic_write(stem + ".json", json.dumps(ordered, indent=1).encode())
+            md = section_markdown(half, ordered, command.strip())
+            atomic_write(stem + ".md", (md + "\n").encode())
+
+        return stem, save
+
+    stems = []
+    if args.half in ("dims", "both"):
+        stem, save = saver("dims", [str(d) for d in sorted(set(DIMS) | set(dims))])
+        run_dims(dims, args.steps, args.test_size, peers, args.peer_seconds, save)
+        stems.append(stem)
+    if args.half in ("files", "both"):
+        stem, save = saver("files", FILES)
+        run_files(
+            files,
+            args.work_dir,
+            shlex.split(args.train_args),
+            () if args.no_zuko else ("nsf",),
+            args.peer_seconds,
+            save,
+        )
+        stems.append(stem)
+    for stem in stems:
+        with open(stem + ".md") as f:
+            print(f.read())
+
+
+if __name__ == "__main__":
+    main()
