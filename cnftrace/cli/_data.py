@@ -104,7 +104,8 @@ def eval_size(source: DataSource, n: int | None) -> int:
 def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
-    before anything is written."""
+    before anything is written; with `--drop-missing`, one line says how many rows
+    were dropped."""
     data = config.data
     if _is_name(data):
         directory = None
@@ -132,6 +133,7 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         test_fraction=config.test_fraction,
         seed=config.split_seed,
         standardize=not config.no_standardize,
+        drop_missing=config.drop_missing,
     )
     std = source.standardization
     table = source.table
@@ -149,8 +151,33 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         "mean": None if std is None else np.asarray(std.mean).tolist(),
         "scale": None if std is None else np.asarray(std.scale).tolist(),
     }
+    if config.drop_missing:  # a run without it pins its file as before
+        data_file["drop_missing"] = True
+        data_file["dropped_rows"] = list(table.dropped)
+        print(_dropped_line(table), flush=True)
     shown = paths[0] if len(paths) == 1 else tuple(paths)
     return source, {"data": shown, "data_file": data_file, "data_dir": None}
+
+
+def _dropped_line(table) -> str:
+    """`cnftrace: dropped 12 of 400 rows with missing values in FILE (first: line
+    7)`; for several files, their total, then each file that had some."""
+    total = sum(table.dropped)
+    read = sum(table.rows) + total
+    each = [
+        f"{n} of {rows + n} in {path} (first: {first})"
+        for path, rows, n, first in zip(
+            table.paths, table.rows, table.dropped, table.first_dropped
+        )
+        if n
+    ]
+    if len(table.paths) == 1:
+        where = table.paths[0] + (
+            f" (first: {table.first_dropped[0]})" if total else ""
+        )
+    else:
+        where = f"{len(table.paths)} files" + (f": {', '.join(each)}" if each else "")
+    return f"cnftrace: dropped {total} of {read} rows with missing values in {where}"
 
 
 def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
@@ -192,6 +219,7 @@ def run_source(config: RunConfig) -> DataSource:
         test_fraction=data_file["test_fraction"],
         seed=data_file["split_seed"],
         standardize=data_file["standardize"],
+        drop_missing=data_file.get("drop_missing", False),  # runs before it: False
     )
 
 
