@@ -117,6 +117,17 @@ def test_a_run_without_missing_values_is_the_same_with_the_flag(tmp_path):
         with open(os.path.join(run, "metrics.jsonl")) as f:
             losses.append([json.loads(line)["loss"] for line in f])
     assert losses[0] == losses[1]
+    # Resuming with the flag turned off, or on another split, is refused before
+    # config.json is touched (the checkpoints refused it after, config.json
+    # rewritten with the other split for eval to score).
+    args = ["train", "--data", path, "--columns", "a,b,c", *TINY]
+    with pytest.raises(SystemExit, match="drop_missing: True there, False now"):
+        main([*args, "--run-dir", flagged])
+    with pytest.raises(SystemExit, match=r"\(split_seed: 0 there, 1 now\)"):
+        main([*args, "--run-dir", plain, "--split-seed", "1"])
+    assert _config(flagged)["data_file"]["drop_missing"] is True
+    assert _config(plain)["data_file"]["split_seed"] == 0
+    assert main([*args, "--run-dir", flagged, "--drop-missing"]) == 0  # resumes
 
 
 @pytest.mark.parametrize("cell", ["NA", "", "nan", "None"])

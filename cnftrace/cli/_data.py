@@ -32,6 +32,7 @@ from ..datasets import (
     toy_entropy_is_exact,
 )
 from ..runs import RunConfig
+from ..training import same_value
 from ._checks import CommandFailed, UsageError
 
 
@@ -178,6 +179,31 @@ def _dropped_line(table) -> str:
     else:
         where = f"{len(table.paths)} files" + (f": {', '.join(each)}" if each else "")
     return f"cnftrace: dropped {total} of {read} rows with missing values in {where}"
+
+
+# What in a data file's record decides the rows trained on, their split and their
+# standardisation, besides the files' bytes (`changed_files`); a record without
+# `drop_missing` (a run trained without it) has it off.
+_DATA_SETTINGS = ("columns", "array", "val_fraction", "test_fraction", "split_seed")
+_DATA_SETTINGS += ("standardize", "drop_missing")
+_DATA_LEGACY = {"drop_missing": False}
+
+
+def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
+    """The settings of `old.data_file` that `new.data_file` changes (the columns,
+    the split, the standardisation, `--drop-missing`), as `name: value there, value
+    now`: resuming would train on other rows. Checked before `config.json` is
+    written (the checkpoints would refuse them after)."""
+    if old.data_file is None or new.data_file is None:
+        return []  # a data set by name: `data` itself is compared
+    changed = []
+    for name in _DATA_SETTINGS:
+        default = _DATA_LEGACY.get(name)
+        there = old.data_file.get(name, default)
+        now = new.data_file.get(name, default)
+        if not same_value(there, now):
+            changed.append(f"{name}: {there!r} there, {now!r} now")
+    return changed
 
 
 def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
