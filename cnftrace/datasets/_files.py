@@ -303,23 +303,24 @@ def _parse_text(path, text, raw, delimiter, columns, drop_missing, bar):
         missing = False
         for k, j in enumerate(picked):
             field = fields[j]
-            where = f"{path}, line {line} (row {r}), {_column(j, names)}"
             try:
                 data[r, k] = value = float(field)
             except ValueError:
+                value = math.nan
                 if not _is_missing(field):
                     raise ValueError(
-                        f"{where} holds {field!r}, which is not a number; columns "
-                        "must be numeric: fix the value, or leave the column out "
-                        "with `--columns`."
+                        f"{path}, line {line} (row {r}), {_column(j, names)} holds "
+                        f"{field!r}, which is not a number; columns must be numeric: "
+                        "fix the value, or leave the column out with `--columns`."
                     ) from None
-                value = math.nan
-            if math.isnan(value) and not drop_missing:
-                what = "is empty" if not field else f"holds {field!r}"
-                raise ValueError(
-                    f"{where} {what}, a missing value; fill it in, or {_DROP}."
-                )
-            missing = missing or math.isnan(value)
+            if value != value:  # NaN: a missing value
+                if not drop_missing:
+                    what = "is empty" if not field else f"holds {field!r}"
+                    raise ValueError(
+                        f"{path}, line {line} (row {r}), {_column(j, names)} {what}, "
+                        f"a missing value; fill it in, or {_DROP}."
+                    )
+                missing = True
         (dropped if missing else lines).append(line)
     if not lines and not dropped:
         raise ValueError(f"{path} holds a header line but no rows of numbers under it.")
