@@ -32,6 +32,7 @@ from ..datasets import (
     toy_entropy_is_exact,
 )
 from ..runs import RunConfig
+from ..training import same_value
 from ._checks import CommandFailed, UsageError
 
 
@@ -104,7 +105,8 @@ def eval_size(source: DataSource, n: int | None) -> int:
 def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
-    before anything is written."""
+    before anything is written; with `--drop-missing`, one line says how many rows
+    were dropped."""
     data = config.data
     if _is_name(data):
         directory = None
@@ -132,6 +134,7 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         test_fraction=config.test_fraction,
         seed=config.split_seed,
         standardize=not config.no_standardize,
+        drop_missing=config.drop_missing,
     )
     std = source.standardization
     table = source.table
@@ -149,8 +152,58 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         "mean": None if std is None else np.asarray(std.mean).tolist(),
         "scale": None if std is None else np.asarray(std.scale).tolist(),
     }
+    if config.drop_missing:  # a run without it pins its file as before
+        data_file["drop_missing"] = True
+        data_file["dropped_rows"] = list(table.dropped)
+        print(_dropped_line(table), flush=True)
     shown = paths[0] if len(paths) == 1 else tuple(paths)
     return source, {"data": shown, "data_file": data_file, "data_dir": None}
+
+
+def _dropped_line(table) -> str:
+    """`cnftrace: dropped 12 of 400 rows with missing values in FILE (first: line
+    7)`; for several files, their total, then each file that had some."""
+    total = sum(table.dropped)
+    read = sum(table.rows) + total
+    each = [
+        f"{n} of {rows + n} in {path} (first: {first})"
+        for path, rows, n, first in zip(
+            table.paths, table.rows, table.dropped, table.first_dropped
+        )
+        if n
+    ]
+    if len(table.paths) == 1:
+        where = table.paths[0] + (
+            f" (first: {table.first_dropped[0]})" if total else ""
+        )
+    else:
+        where = f"{len(table.paths)} files" + (f": {', '.join(each)}" if each else "")
+    return f"cnftrace: dropped {total} of {read} rows with missing values in {where}"
+
+
+# What in a data file's record decides the rows trained on, their split and their
+# standardisation, besides the files' bytes (`changed_files`); a record without
+# `drop_missing` (a run trained without it) has it off.
+_DATA_SETTINGS = ("columns", "array", "val_fraction", "test_fraction", "split_seed")
+_DATA_SETTINGS += ("standardize", "drop_missing")
+_DATA_LEGACY = {"drop_missing": False}
+
+
+def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
+    """The settings of `old.data_file` that `new.data_file` changes (the columns,
+    the split, the standardisation, `--drop-missing`), as `name: value there, value
+    now`: resuming would train on other rows. Checked before `config.json` is
+    written (the checkpoints would refuse them after)."""
+    if old.data_file is None or new.data_file is None:
+        return []  # a data set by name: `data` itself is compared
+    changed = []
+    for name in _DATA_SETTINGS:
+        default = _DATA_LEGACY.get(name)
+        there = old.data_file.get(name, default)
+        now = new.data_file.get(name, default)
+        if not same_value(there, now):
+            changed.append(f"{name}: {there!r} there, {now!r} now")
+    return changed
 
 
 def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
@@ -192,6 +245,7 @@ def run_source(config: RunConfig) -> DataSource:
         test_fraction=data_file["test_fraction"],
         seed=data_file["split_seed"],
         standardize=data_file["standardize"],
+        drop_missing=data_file.get("drop_missing", False),  # runs before it: False
     )
 
 

@@ -42,7 +42,7 @@ from ._checks import (
     check_probes_fit_in_memory,
     check_run_dir,
 )
-from ._data import changed_files, training_source
+from ._data import changed_data_settings, changed_files, training_source
 
 
 def cmd_train(args) -> int:
@@ -154,7 +154,7 @@ def _write_config(config: RunConfig) -> None:
                 + ". Resuming would train on other data: restore the file, or "
                 "train on it in a new --run-dir."
             )
-        diffs = config.differences(old)
+        diffs = config.differences(old) + changed_data_settings(old, config)
         if diffs:
             raise UsageError(
                 f"{run_dir} holds a run with other settings ({', '.join(diffs)}). "

@@ -11,6 +11,12 @@ in UTF-8, lines that look separated by another character than the extension says
 them); the lines of a text file from 1 (as an editor shows them); columns from 0,
 with their header names where there are some.
 
+A missing value (a cell of a text file that is empty or reads NA, N/A, #N/A, <NA>,
+NaN, null, None or ?, in any case, blanks around it aside; NaN in an array or a
+Parquet file, and Parquet's nulls) is refused like any other problem, unless
+`drop_missing` asks for the rows holding one in the chosen columns to be dropped.
+inf is not missing: it is refused either way.
+
 Text files are read as UTF-8, a byte-order mark (Excel's "CSV UTF-8") dropped. NumPy's
 C parser reads them where every row is numbers; otherwise, and to name any problem,
 a checking parser, line by line. Files of `PROGRESS_BYTES` or more show the progress
@@ -20,6 +26,7 @@ of their parsing on stderr.
 import csv
 import hashlib
 import io
+import math
 import os
 import sys
 import warnings
@@ -37,6 +44,10 @@ _DELIMITERS = {".csv": ",", ".tsv": "\t"}
 # stderr (2 million rows of three numbers take about 120 MB, and 2 s to parse).
 PROGRESS_BYTES = 32 * 2**20
 _PROGRESS_EVERY = 2**16  # rows between updates of the progress bar
+# What a missing value reads in a text file, once stripped and lower-cased.
+_MISSING = frozenset(("", "na", "n/a", "#n/a", "<na>", "nan", "null", "none", "?"))
+_DROP = "drop the rows with missing values (`--drop-missing`; `drop_missing=True` "
+_DROP += "in Python)"
 
 
 class Table(NamedTuple):
@@ -48,6 +59,11 @@ class Table(NamedTuple):
     - `paths`: the files read, in order.
     - `sha256`: the SHA-256 of each file's bytes.
     - `rows`: the number of rows each file gave.
+    - `dropped`: the number of rows of each file dropped for a missing value
+        (`drop_missing`); zeros without it, `()` in a `Table` built without them.
+    - `first_dropped`: where each file's first dropped row was, `"line 7"` in a text
+        file (lines from 1) or `"row 6"` in an array (rows from 0); `None` for a
+        file with none dropped.
     """
 
     data: np.ndarray
@@ -55,6 +71,8 @@ class Table(NamedTuple):
     paths: tuple[str, ...]
     sha256: tuple[str, ...]
     rows: tuple[int, ...]
+    dropped: tuple[int, ...] = ()
+    first_dropped: tuple[str | None, ...] = ()
 
 
 def file_sha256(path: str) -> str:
@@ -72,6 +90,11 @@ def _is_number(field: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _is_missing(field: str) -> bool:
+    """Whether a stripped field of a text file is a missing value."""
+    return field.lower() in _MISSING or (_is_number(field) and math.isnan(float(field)))
 
 
 def _column(j: int, names) -> str:
@@ -207,17 +230,19 @@ def _filled(row) -> bool:
     return bool(row) and any(field.strip() for field in row)
 
 
-def _read_text(path: str, delimiter: str, columns):
-    """`(data, names, line_of_row)` of the picked columns of a delimited text file
-    (the others are not read, so they may hold text). `line_of_row` is `None` where
-    every row was read as finite numbers. An error gains a hint where the lines
-    look separated by another character than the extension says."""
+def _read_text(path: str, delimiter: str, columns, drop_missing: bool):
+    """`(data, names, line_of_row, dropped, first_line)` of the picked columns of a
+    delimited text file (the others are not read, so they may hold text), without
+    the `dropped` rows with a missing value where `drop_missing`, the first on
+    `first_line`. `line_of_row` is `None` where every row was read as finite
+    numbers. An error gains a hint where the lines look separated by another
+    character than the extension says."""
     with open(path, "rb") as f:
         raw = f.read()
     text = _decode(path, raw)
     bar = _progress(path, len(raw), text)
     try:
-        return _parse_text(path, text, raw, delimiter, columns, bar)
+        return _parse_text(path, text, raw, delimiter, columns, drop_missing, bar)
     except ValueError as e:
         hint = _delimiter_hint(text, delimiter)
         if hint is None:
@@ -228,14 +253,14 @@ def _read_text(path: str, delimiter: str, columns):
             bar.close()
 
 
-def _parse_text(path: str, text: str, raw: bytes, delimiter: str, columns, bar):
+def _parse_text(path, text, raw, delimiter, columns, drop_missing, bar):
     rows = csv.reader(io.StringIO(text), delimiter=delimiter)
     head = next(((i + 1, row) for i, row in enumerate(rows) if _filled(row)), None)
     if head is None:
         raise ValueError(f"{path} is empty: it holds no rows. Give a file of samples.")
     header, first = head[0], [field.strip() for field in head[1]]
     names = None
-    if not all(_is_number(field) for field in first):
+    if not all(_is_number(field) or _is_missing(field) for field in first):
         names = tuple(first)
     width = len(first)
     if names is not None and len(set(names)) != len(names):
@@ -248,12 +273,12 @@ def _parse_text(path: str, text: str, raw: bytes, delimiter: str, columns, bar):
     skip = header if names is not None else header - 1
     data = _read_fast(text, raw, delimiter, skip, width, picked, bar)
     if data is not None:
-        return data, picked_names, None
+        return data, picked_names, None, 0, None
     # The checking parser, record by record: the first problem, by its line.
     if bar is not None:
         bar.reset()
     data = np.empty((text.count("\n") + 1, len(picked)))
-    lines = []
+    lines, dropped = [], []
     rows = csv.reader(io.StringIO(text), delimiter=delimiter)
     for i, row in enumerate(rows):
         if bar is not None and i % _PROGRESS_EVERY == _PROGRESS_EVERY - 1:
@@ -275,26 +300,32 @@ def _parse_text(path: str, text: str, raw: bytes, delimiter: str, columns, bar):
                 f"{path}, line {line} has {len(fields)} fields where {what} has "
                 f"{width}; every row needs one number per column."
             )
+        missing = False
         for k, j in enumerate(picked):
             field = fields[j]
             try:
-                data[r, k] = float(field)
+                data[r, k] = value = float(field)
             except ValueError:
-                if not field:
-                    problem = "is empty"
-                    fix = "fill it in, or remove the row"
-                else:
-                    problem = f"holds {field!r}, which is not a number"
-                    fix = "columns must be numeric: fix the value, or leave the "
-                    fix += "column out with `--columns`"
-                raise ValueError(
-                    f"{path}, line {line} (row {r}), {_column(j, names)} {problem}; "
-                    f"{fix}."
-                ) from None
-        lines.append(line)
-    if not lines:
+                value = math.nan
+                if not _is_missing(field):
+                    raise ValueError(
+                        f"{path}, line {line} (row {r}), {_column(j, names)} holds "
+                        f"{field!r}, which is not a number; columns must be numeric: "
+                        "fix the value, or leave the column out with `--columns`."
+                    ) from None
+            if value != value:  # NaN: a missing value
+                if not drop_missing:
+                    what = "is empty" if not field else f"holds {field!r}"
+                    raise ValueError(
+                        f"{path}, line {line} (row {r}), {_column(j, names)} {what}, "
+                        f"a missing value; fill it in, or {_DROP}."
+                    )
+                missing = True
+        (dropped if missing else lines).append(line)
+    if not lines and not dropped:
         raise ValueError(f"{path} holds a header line but no rows of numbers under it.")
-    return data[: len(lines)], picked_names, lines
+    first = dropped[0] if dropped else None
+    return data[: len(lines)], picked_names, lines, len(dropped), first
 
 
 def _from_array(path: str, x, what: str) -> np.ndarray:
@@ -372,7 +403,7 @@ def _read_parquet(path: str, columns):
             )
     if frame.shape[0] == 0 or frame.shape[1] == 0:
         raise ValueError(f"{path} holds an empty table of shape {frame.shape}.")
-    return frame.to_numpy(dtype=np.float64), names
+    return frame.to_numpy(dtype=np.float64, na_value=np.nan), names
 
 
 def _resolve(path, columns, names, width) -> list[int]:
@@ -406,20 +437,37 @@ def _resolve(path, columns, names, width) -> list[int]:
     return picked
 
 
-def _check_finite(path, data, names, lines):
-    bad = ~np.isfinite(data)
+def _check_finite(path, data, names, lines, drop_missing: bool):
+    """`(data, dropped, first_row)`: `data` without the rows holding NaN (a missing
+    value) where `drop_missing`, their number and the first one's index; a
+    `ValueError` naming the first row holding inf, or NaN without `drop_missing`."""
+    nan = np.isnan(data)
+    missing = nan.any(axis=1)
+    inf = np.isinf(data)
+    if drop_missing:
+        inf &= ~missing[:, None]  # a row with NaN is dropped, whatever else it holds
+    bad = inf if drop_missing else inf | nan
     if bad.any():
-        rows = np.flatnonzero(bad.any(axis=1))
-        r = int(rows[0])
+        r = int(np.flatnonzero(bad.any(axis=1))[0])
         j = int(np.flatnonzero(bad[r])[0])
         where = f"row {r}" + (f" (line {lines[r]})" if lines else "")
+        if nan[r, j]:
+            raise ValueError(
+                f"{path} has {missing.sum()} row(s) with a missing value (NaN); the "
+                f"first is {where}, {_column(j, names)}. Impute them, or {_DROP}."
+            )
         raise ValueError(
-            f"{path} has {rows.size} row(s) with NaN or inf; the first is {where}, "
-            f"{_column(j, names)} = {data[r, j].item()!r}. Remove or impute those rows."
+            f"{path} has {inf.any(axis=1).sum()} row(s) with inf; the first is "
+            f"{where}, {_column(j, names)} = {data[r, j].item()!r}. Correct or remove "
+            "those rows: dropping missing values drops NaN, not infinite values."
         )
+    if not (drop_missing and missing.any()):
+        return data, 0, None
+    return data[~missing], int(missing.sum()), int(np.flatnonzero(missing)[0])
 
 
-def _read_one(path: str, columns, array):
+def _read_one(path: str, columns, array, drop_missing: bool):
+    """`(data, names, dropped, first_dropped)` of one file (see `Table`)."""
     if os.path.isdir(path):
         raise ValueError(
             f"{path} is a directory, not a data file: give a file ending in one of "
@@ -438,16 +486,27 @@ def _read_one(path: str, columns, array):
         raise ValueError(f"{path} is empty (0 bytes): it holds no rows.")
     if array is not None and ext != ".npz":
         raise ValueError(f"`array` names an array of a .npz file; {path} is {ext}.")
-    lines = None
+    lines, dropped, first = None, 0, None
     if ext in _DELIMITERS:
-        data, names, lines = _read_text(path, _DELIMITERS[ext], columns)
+        read = _read_text(path, _DELIMITERS[ext], columns, drop_missing)
+        data, names, lines, dropped, first = read
+        first = None if first is None else f"line {first}"
     elif ext == ".parquet":
         data, names = _read_parquet(path, columns)
     else:
         data, names = _read_npy(path, array)
         data = data[:, _resolve(path, columns, None, data.shape[1])]
-    _check_finite(path, data, names, lines)
-    return data, names
+    n = data.shape[0] + dropped
+    data, nan_rows, row = _check_finite(path, data, names, lines, drop_missing)
+    if row is not None:  # NaN in an array (a text file's parser drops its own)
+        dropped, first = nan_rows, f"row {row}"
+    if data.shape[0] == 0:
+        raise ValueError(
+            f"{path}: every one of its {n} rows has a missing value in the chosen "
+            f"columns (the first at {first}), so none is left to train on. Fill them "
+            "in, or pick other columns (`--columns`)."
+        )
+    return data, names, dropped, first
 
 
 def read_table(
@@ -455,6 +514,7 @@ def read_table(
     *,
     columns: Sequence[str | int] | None = None,
     array: str | None = None,
+    drop_missing: bool = False,
 ) -> Table:
     """Reads a table of samples (one row per sample, one numeric column per
     coordinate) from one file or several, checking every value.
@@ -469,15 +529,22 @@ def read_table(
         default.
     - `array`: for `.npz` files, the name of the array (needed when a file holds
         several).
+    - `drop_missing`: drop the rows with a missing value in the chosen columns,
+        instead of refusing the file: in a text file, a cell that is empty or reads
+        `NA`, `N/A`, `#N/A`, `<NA>`, `NaN`, `null`, `None` or `?` (in any case,
+        blanks around it aside); NaN in an array or a Parquet file, and Parquet's
+        nulls. inf is not missing: it is refused either way, and so is text.
 
     **Returns:**
 
     A [`Table`][cnftrace.datasets.Table]: the float64 data, column names, paths,
-    SHA-256 of each file and rows per file.
+    SHA-256 of each file, rows per file and, per file, the rows dropped and where
+    the first of them was.
 
     A `ValueError` names the file, the row (and line) or column, and the fix, for an
     empty file, text where a number should be, a field missing from a line, a header
-    line repeated further down, NaN or inf, files with different columns, a text
+    line repeated further down, a missing value (without `drop_missing`; with it,
+    a file whose every row has one), inf, files with different columns, a text
     file not in UTF-8 (a byte-order mark is dropped), or a directory; where the lines
     of a text file look separated by `;` or tabs (a .csv) or commas (a .tsv), its
     error says so. A text file of `PROGRESS_BYTES` (32 MiB) or more shows the
@@ -501,9 +568,11 @@ def read_table(
         raise ValueError("`paths` is empty; give at least one data file.")
     if columns is not None and isinstance(columns, str):
         columns = [c.strip() for c in columns.split(",")]
-    parts, first_names = [], None
+    parts, first_names, dropped, first_dropped = [], None, [], []
     for i, path in enumerate(paths):
-        data, names = _read_one(path, columns, array)
+        data, names, n, first = _read_one(path, columns, array, drop_missing)
+        dropped.append(n)
+        first_dropped.append(first)
         if i == 0:
             first_names = names
         elif data.shape[1] != parts[0].shape[1]:
@@ -524,6 +593,8 @@ def read_table(
         paths=paths,
         sha256=tuple(file_sha256(p) for p in paths),
         rows=tuple(p.shape[0] for p in parts),
+        dropped=tuple(dropped),
+        first_dropped=tuple(first_dropped),
     )
 
 

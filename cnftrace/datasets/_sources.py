@@ -289,6 +289,7 @@ def file_source(
     test_fraction: float = 0.1,
     seed: int = 0,
     standardize: bool = True,
+    drop_missing: bool = False,
 ) -> DataSource:
     """A user's own table of samples as a training source: the files read and checked
     by [`read_table`][cnftrace.datasets.read_table], split by
@@ -300,7 +301,9 @@ def file_source(
     them for `n` of `None` or 0) in the data's own units. A column that takes one
     value over the training rows is refused by name: it has no density to learn;
     so, without `standardize`, is a value beyond the range of JAX's float (float32
-    unless x64 is on), in which the data are then used.
+    unless x64 is on), in which the data are then used. With `drop_missing`, the
+    rows with a missing value in the chosen columns are dropped before the split
+    (`source.table.dropped` counts them per file); without it, they are refused.
 
     !!! example
 
@@ -315,14 +318,16 @@ def file_source(
         print(source.standardization.scale)                   # about [1, 10, 100]
         ```
     """
-    table = read_table(paths, columns=columns, array=array)
+    table = read_table(paths, columns=columns, array=array, drop_missing=drop_missing)
     name = table.paths[0] if len(table.paths) == 1 else " + ".join(table.paths)
+    dropped = sum(table.dropped)
+    left = f"{name} ({dropped} rows with missing values dropped)" if dropped else name
     splits = split_table(
         table.data,
         val_fraction=val_fraction,
         test_fraction=test_fraction,
         seed=seed,
-        name=name,
+        name=left,
     )
     spread = splits.train.max(axis=0) - splits.train.min(axis=0)
     if np.any(spread == 0):
@@ -365,6 +370,8 @@ def _check_range(table: Table, std: Standardization | None) -> None:
     ends = np.cumsum(table.rows)
     f = int(np.searchsorted(ends, r, side="right"))
     row = r - (int(ends[f - 1]) if f else 0)
+    if table.dropped and table.dropped[f]:
+        row = f"{row} of those kept"
     column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
     where = f"{table.paths[f]}: {column} holds {table.data[r, j].item()!r} (row {row})"
     beyond = f"beyond the range of {dtype} (largest {largest:.4g})"

@@ -169,6 +169,15 @@ class RunConfig:
         "`sample` and `cnftrace.load` undo it)",
         stored=False,
     )
+    # Pinned in `data_file` (compared on resume), as the columns and the split are.
+    drop_missing: bool = _setting(
+        False,
+        _DATA,
+        "drop the rows of a data file with a missing value in the chosen columns "
+        "(an empty cell, NA, N/A, #N/A, <NA>, NaN, null, None or ?, in any case), "
+        "and say how many (by default such a file is refused; inf is never missing)",
+        stored=False,
+    )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
     data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
     # The model.
@@ -386,6 +395,11 @@ class RunConfig:
                         f"--{name} picks from a data file; --data {self.data} is a "
                         "built-in data set."
                     )
+            if self.drop_missing:
+                raise ValueError(
+                    f"--drop-missing reads a data file; --data {self.data} is a "
+                    "built-in data set, which has no missing values."
+                )
         if self.objective != "mle":
             if self.learn_t1:
                 raise ValueError(
