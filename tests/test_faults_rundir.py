@@ -299,3 +299,29 @@ def test_5_library_arguments_of_the_wrong_kind(tmp_path):
     mlp = cnftrace.mlp_flow(2, key=jr.key(0), width=4, depth=1)
     path = cnftrace.save(str(tmp_path / "flow"), mlp)
     assert cnftrace.load(path, like=mlp).event_shape == (2,)
+
+
+def test_6_a_float32_run_loads_in_a_64_bit_process(tmp_path):
+    # Trained as users run it (float32); opened where 64-bit mode is on, as in this
+    # suite. It was refused as "another architecture" (its dtypes differ).
+    import jax
+
+    run = str(tmp_path / "run32")
+    argv = ["train", "--run-dir", run, "--steps", "2", "--batch-size", "16"]
+    argv += ["--width", "8", "--depth", "1", "--no-progress"]
+    with jax.enable_x64(False):
+        assert main(argv) == 0
+        flow32 = cnftrace.load(run)
+        x = jr.normal(jr.key(0), (5, 2))
+        expected = np.asarray(flow32.log_prob(x))
+    assert jax.config.jax_enable_x64
+    flow = cnftrace.load(run)
+    leaves = jax.tree.leaves(flow)
+    floats = {
+        leaf.dtype
+        for leaf in leaves
+        if hasattr(leaf, "dtype") and leaf.dtype.kind == "f"
+    }
+    assert floats == {np.dtype(np.float32)}, floats
+    got = np.asarray(flow.log_prob(np.asarray(x, np.float32)))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

@@ -28,7 +28,11 @@ def test_the_width_follows_the_dimension(dim, width):
     # fit's and Trainer's defaults are the recipe's.
     assert recipe.batch_size == _optim.DEFAULT_BATCH_SIZE
     assert recipe.lr == _optim.DEFAULT_LR
-    assert "400 training rows" in cnftrace.default_recipe(dim, rows=400).reason
+    small = cnftrace.default_recipe(dim, rows=400)
+    assert "400 training rows" in small.reason and small.width == 64
+    # A table gets 64 units per 2,000 training rows (at least 64), up to the above.
+    assert cnftrace.default_recipe(dim, rows=8000).width == min(width, 256)
+    assert cnftrace.default_recipe(dim, rows=10**6).width == width
 
 
 def test_the_recipe_refuses_what_is_not_a_size():
@@ -72,16 +76,16 @@ def _train(tmp_path, monkeypatch, argv, capsys):
 
 
 def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
-    x = np.random.default_rng(0).standard_normal((300, 7))
+    x = np.random.default_rng(0).standard_normal((5000, 7))
     data = str(tmp_path / "seven.csv")
-    np.savetxt(data, x, delimiter=",")
+    np.savetxt(data, x, delimiter=",", fmt="%.6f")
     run = str(tmp_path / "run")
     argv = ["--data", data, "--run-dir", run]
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)
     assert _hidden_width(flow.vector_field) == 128
     lines = [ln for ln in out.splitlines() if ln.startswith("recipe:")]
     assert len(lines) == 1
-    assert "7 dimensions, 240 training rows: width 128" in lines[0]
+    assert "7 dimensions, 4000 training rows: width 128" in lines[0]
     with open(os.path.join(run, "config.json")) as f:
         stored = json.load(f)
     assert stored["width"] == 128 and stored["recipe"] in lines[0]
@@ -92,14 +96,21 @@ def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
     assert _hidden_width(flow.vector_field) == 8 and "recipe:" not in out
     with open(os.path.join(run2, "config.json")) as f:
         assert json.load(f)["recipe"] is None
+    # A small table keeps the field narrow, and says why.
+    small = str(tmp_path / "small.csv")
+    np.savetxt(small, x[:300], delimiter=",", fmt="%.6f")
+    argv = ["--data", small, "--run-dir", str(tmp_path / "run3")]
+    flow, out = _train(tmp_path, monkeypatch, argv, capsys)
+    assert _hidden_width(flow.vector_field) == 64
+    assert "240 training rows: width 64 (a table this size" in out
 
 
 def test_a_run_begun_under_an_older_recipe_resumes_as_it_began(
     tmp_path, monkeypatch, capsys
 ):
-    x = np.random.default_rng(1).standard_normal((200, 10))
+    x = np.random.default_rng(1).standard_normal((5000, 10))
     data = str(tmp_path / "ten.csv")
-    np.savetxt(data, x, delimiter=",")
+    np.savetxt(data, x, delimiter=",", fmt="%.6f")
     run = str(tmp_path / "run")
     argv = ["--data", data, "--run-dir", run]
     _train(tmp_path, monkeypatch, [*argv, "--width", "64"], capsys)

@@ -11,8 +11,9 @@ from ..training import warmup_cosine_adam
 from ._config import RunConfig
 
 
-def run_flow(config: RunConfig, key, dim: int) -> AbstractFlow:
-    """The flow described by a run's config, for data of dimension `dim`."""
+def run_flow(config: RunConfig, key, dim: int, dtype=None) -> AbstractFlow:
+    """The flow described by a run's config, for data of dimension `dim`, with
+    parameters of `dtype` (JAX's default float if `None`)."""
     if config.blocks == 1:
         # The command line has always drawn a single block's key by a split.
         key = jr.split(key, 1)[0]
@@ -29,6 +30,7 @@ def run_flow(config: RunConfig, key, dim: int) -> AbstractFlow:
         solver=config.solver,
         rtol=config.rtol,
         atol=config.atol,
+        dtype=dtype,
     )
 
 

@@ -196,7 +196,7 @@ class RunConfig:
         _MODEL,
         "hidden units",
         shown="follows the data: 64 up to 5 dimensions, 64 more per 5 more, at most "
-        "512, as cnftrace.default_recipe says",
+        "512; for a file, at most 64 per 2,000 training rows",
         low=1,
         type=int,
     )

@@ -129,14 +129,16 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
 
 def _checked_checkpoints(
     config: RunConfig, config_path: str, checkpoints: str
-) -> tuple[int, ...] | None:
-    """The event shape in the newest readable checkpoint's header, once every
+) -> tuple[tuple[int, ...] | None, str | None]:
+    """The event shape in the newest readable checkpoint's header and the dtype of
+    its parameters (the first floating-point array's: a run trained in float32
+    opens in a process with 64-bit mode on, and one in float64 without), once every
     readable checkpoint in `checkpoints` is found to hold the settings of
     `config_path`: a `CheckpointError` naming each setting that differs otherwise.
     One checkpoint of other settings is enough: a run directory that mixes runs is
     not trusted (as `train` refuses to resume from one). Unreadable files are left
     to the loading, which skips them and says why."""
-    shape, mismatched = None, []
+    shape, dtype, mismatched = None, None, []
     for _, path in reversed(list_checkpoints(checkpoints)):
         try:
             header, _ = read_header(path)
@@ -149,10 +151,16 @@ def _checked_checkpoints(
             mismatched.append((path, diffs))
         elif shape is None and isinstance(saved.get("fit.event_shape"), list):
             shape = tuple(saved["fit.event_shape"])
+            floats = [
+                leaf[1]
+                for leaf in header.get("leaves", [])
+                if isinstance(leaf, list) and leaf[1:] in (["float32"], ["float64"])
+            ]
+            dtype = floats[0] if floats else None
     if mismatched:
         (path, diffs), more = mismatched[0], len(mismatched) - 1
         raise _mismatch(config_path, path, diffs, more)
-    return shape
+    return shape, dtype
 
 
 def _mismatch(config_path: str, path: str, diffs: list[str], more: int = 0):
@@ -216,10 +224,10 @@ def load_run(run_dir: str) -> LoadedRun:
         )
     config = read_config(path)
     checkpoints = os.path.join(run_dir, "checkpoints")
-    shape = _checked_checkpoints(config, path, checkpoints)
+    shape, dtype = _checked_checkpoints(config, path, checkpoints)
     if shape is None or len(shape) != 1:
         raise CheckpointError(f"no usable checkpoint in {checkpoints}.")
-    flow = run_flow(config, jr.key(config.seed), shape[0])
+    flow = run_flow(config, jr.key(config.seed), shape[0], dtype=dtype)
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     opt_state = run_optimizer(config).init(params)
     like = (params, opt_state, jr.key_data(jr.key(config.seed)), params)
