@@ -68,6 +68,10 @@ def default_recipe(dim: int, rows: int | None = None) -> Recipe:
     it grows with the rows too, by 64 per 2,000 training rows: on small tables a
     wider field overfits. The other settings are the same for every size today.
 
+    `MLPField` and `mlp_flow` see only the dimension: to train a small table in
+    Python, pass `width=cnftrace.default_recipe(dim, rows=len(train)).width`
+    (`cnftrace train` does this itself).
+
     !!! example
 
         ```python
