@@ -54,6 +54,13 @@ def check_args(args) -> None:
             raise UsageError(f"--out {out} is a directory; give a file name (.npy).")
 
 
+def nearest_existing(path: str) -> str:
+    """`path`, or its nearest ancestor that exists (as a link, too)."""
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def check_run_dir(path: str) -> None:
     """`--run-dir` is a directory, or can become one: missing parents are made with
     it (`--run-dir runs/8g` in a fresh clone), but no part of it may be a file."""
@@ -69,9 +76,7 @@ def check_run_dir(path: str) -> None:
                 f"{inside} is {file_kind(os.lstat(inside).st_mode)}, not a {what}, so "
                 "it is not this run's; remove it or move it away, and run again."
             )
-    ancestor = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
+    ancestor = nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(ancestor):
         raise UsageError(
             f"--run-dir {path}: {ancestor} is a file, so the directory cannot be made "

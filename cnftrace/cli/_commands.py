@@ -16,7 +16,7 @@ from .._io import atomic_write, file_kind
 from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
 from ..training import evaluate_nll
-from ._checks import CommandFailed, check_fits_in_memory
+from ._checks import CommandFailed, check_fits_in_memory, nearest_existing
 from ._data import eval_size, list_datasets, run_source, score_report, write_samples
 
 
@@ -59,9 +59,7 @@ def _check_writable(run_dir: str, path: str, fix: str) -> None:
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
         kind = file_kind(os.lstat(path).st_mode)
         raise CommandFailed(f"cannot write {path}: it is {kind}; move it, or {fix}.")
-    directory = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(directory):
-        directory = os.path.dirname(directory)
+    directory = nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(directory):
         raise CommandFailed(
             f"cannot write {path}: {directory} is not a directory; move it, or {fix}."

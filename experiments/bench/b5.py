@@ -53,7 +53,13 @@ from experiments._common import (
     progress,
 )
 from experiments.bench import tables
-from experiments.bench.b4 import Target, cnftrace_log_prob, gap_and_se, zuko_at_seconds
+from experiments.bench.b4 import (
+    Target,
+    cnftrace_log_prob,
+    gap_and_se,
+    load_results,
+    zuko_at_seconds,
+)
 
 DIMS = (2, 5, 10, 20, 40)
 PEERS = ("nsf", "cnf")
@@ -442,15 +448,6 @@ def section_markdown(half: str, res: dict, command: str) -> str:
     )
     notes = [f"- {name}: {row['source']}: {row['holds']}." for name, row in res.items()]
     return "\n".join([head, "", files_markdown(res), "", *notes])
-
-
-def load_results(stem: str) -> dict:
-    """The rows of the last run written at `stem` (.json), or none."""
-    try:
-        with open(stem + ".json") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
 
 
 def _names(text: str) -> list[str]:
