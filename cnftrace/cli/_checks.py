@@ -66,16 +66,16 @@ def check_run_dir(path: str) -> None:
     it (`--run-dir runs/8g` in a fresh clone), but no part of it may be a file."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--run-dir {path} is a file, not a directory.")
-    # Before config.json is written over: what the run directory holds is its own.
-    for name in ("checkpoints", ".lock", "config.json"):
-        inside = os.path.join(path, name)
-        want = stat.S_ISDIR if name == "checkpoints" else stat.S_ISREG
-        if os.path.lexists(inside) and not want(os.lstat(inside).st_mode):
-            what = "directory" if name == "checkpoints" else "regular file"
-            raise CommandFailed(
-                f"{inside} is {file_kind(os.lstat(inside).st_mode)}, not a {what}, so "
-                "it is not this run's; remove it or move it away, and run again."
-            )
+    # `fit` refuses a checkpoints path that is not a directory only after
+    # config.json is written: refused here first. (`.lock` is checked by the run
+    # directory's lock, and config.json by its reading, both before the write.)
+    checkpoints = os.path.join(path, "checkpoints")
+    mode = os.lstat(checkpoints).st_mode if os.path.lexists(checkpoints) else None
+    if mode is not None and not stat.S_ISDIR(mode):
+        raise CommandFailed(
+            f"{checkpoints} is {file_kind(mode)}, not a directory, so it is not this "
+            "run's; remove it or move it away, and run again."
+        )
     ancestor = nearest_existing(os.path.dirname(os.path.abspath(path)))
     if not os.path.isdir(ancestor):
         raise UsageError(
