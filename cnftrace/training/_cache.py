@@ -261,7 +261,8 @@ def _tidy(directory: str) -> str:
                     os.remove(path)  # a link, not what it points to
             except FileNotFoundError:
                 pass
-    _write_records(directory, kept)
+    if kept != records:  # written only when something changed: every start reads it
+        _write_records(directory, kept)
     if not bad:
         return ""
     counts: dict[str, int] = {}
@@ -287,6 +288,7 @@ def _record_new_entries(directory: str) -> None:
                 continue
             if _whole(data):
                 kept[name] = [hashlib.sha256(data).hexdigest(), signature]
-        _write_records(directory, kept)
+        if kept != records:
+            _write_records(directory, kept)
     except OSError:
         pass  # the next start records them instead
