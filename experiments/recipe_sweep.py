@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from experiments._common import atomic_write
+
 BASE = {
     "width": 64,
     "depth": 3,
@@ -161,13 +163,6 @@ def run_one(cfg: dict, dim: int, seed: int, test_size: int) -> dict:
     }
 
 
-def _write(path: str, results: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
-
-
 def sweep(jobs: list[tuple[int, str, dict]], args) -> dict:
     """Runs `(dim, name, cfg)` jobs `args.jobs` at a time until the deadline."""
     results = {}
@@ -212,7 +207,7 @@ def sweep(jobs: list[tuple[int, str, dict]], args) -> dict:
                 f"train {r['train_s']:.0f}s  nfe {r['nfe_last']}",
                 flush=True,
             )
-            _write(args.out, results)
+            atomic_write(args.out, json.dumps(results, indent=1).encode())
     return results
 
 
