@@ -259,7 +259,7 @@ def test_4_kill_and_resume_logs_every_step_exactly_once(tmp_path, capsys):
     "flag, value",
     [("--t1", "0"), ("--t1", "nan"), ("--t1", "inf"), ("--lr", "nan"),
      ("--lr", "-1"), ("--clip", "nan"), ("--clip", "-1"), ("--rtol", "0"),
-     ("--atol", "nan")],
+     ("--atol", "nan"), ("--weight-decay", "-1"), ("--weight-decay", "inf")],
 )  # fmt: skip
 def test_5_bad_settings_are_refused_before_anything_is_written(
     tmp_path, capsys, flag, value

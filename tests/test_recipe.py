@@ -153,3 +153,46 @@ def test_the_small_data_default_does_not_overfit(tmp_path):
     )
     assert gap < 0.35, gap  # the truth's NLL is about 2.1 nats
     assert -model.mean() < baseline, (-model.mean(), baseline)
+
+
+def test_weight_decay_reaches_the_command_lines_optimizer():
+    """`--weight-decay` makes the run's Adam an AdamW: with a zero gradient, after
+    the warmup, each step shrinks every parameter by `lr_t * weight_decay`."""
+    from cnftrace.runs._build import run_optimizer
+    from cnftrace.runs._config import RunConfig
+
+    params = {"w": jax.numpy.asarray([1.0, -2.0, 4.0], jax.numpy.float64)}
+    zero = {"w": jax.numpy.zeros(3, jax.numpy.float64)}
+    for decay in (0.0, 0.5):
+        config = RunConfig(run_dir="unused", steps=400, lr=1e-2, weight_decay=decay)
+        opt = run_optimizer(config)
+        state = opt.init(params)
+        p = params
+        for _ in range(60):  # past the 50-step warmup
+            updates, state = opt.update(zero, state, p)
+            p = jax.tree_util.tree_map(lambda a, b: a + b, p, updates)
+        updates, _ = opt.update(zero, state, p)
+        # The schedule's rate at step 60 of 400 (cosine from 1e-2 to 5e-4 after 50).
+        lr = 5e-4 + 0.5 * (1e-2 - 5e-4) * (1 + np.cos(np.pi * 10 / 350))
+        np.testing.assert_allclose(
+            np.asarray(updates["w"]),
+            -lr * decay * np.asarray(p["w"]),
+            rtol=1e-6,  # the schedule is computed in float32
+            atol=0,
+        )
+        if decay:
+            assert np.all(np.abs(np.asarray(p["w"])) < np.abs(np.asarray(params["w"])))
+
+
+def test_zero_last_starts_the_flow_as_the_identity():
+    """`mlp_flow(..., zero_last=True)` (the command line's `--zero-last`): before
+    training, the flow's log-density is the standard normal's, exactly, and its
+    samples are its base draws."""
+    x = np.random.default_rng(1).standard_normal((5, 3))
+    for field in ("mlp", "concatsquash"):
+        flow = cnftrace.mlp_flow(3, key=jr.key(0), field=field, width=8, zero_last=True)
+        logp = np.asarray(flow.log_prob(x), np.float64)
+        normal = -0.5 * (x**2).sum(-1) - 1.5 * np.log(2 * np.pi)
+        np.testing.assert_allclose(logp, normal, rtol=0, atol=1e-10)
+        moved = cnftrace.mlp_flow(3, key=jr.key(0), field=field, width=8)
+        assert np.max(np.abs(np.asarray(moved.log_prob(x)) - normal)) > 1e-3

@@ -59,6 +59,7 @@ def mlp_flow(
     estimator: AbstractEstimator | None = None,
     max_steps: int = 4096,
     dtype=None,
+    zero_last: bool = False,
 ) -> AbstractFlow:
     """A flow of `blocks` CNF blocks, each an MLP vector field with `depth` hidden
     layers of `width` units: cnftrace's default model ([`MLPField`][cnftrace.MLPField]
@@ -83,6 +84,8 @@ def mlp_flow(
     - `solver`: `"tsit5"`, `"dopri5"`, `"dopri8"`, `"bosh3"` or a diffrax solver.
     - `rtol`, `atol`, `estimator`, `max_steps`: as for [`CNF`][cnftrace.CNF].
     - `dtype`: the parameters' dtype (JAX's default float if omitted).
+    - `zero_last`: start each field's output layer at zero, so that the flow starts
+        as the identity (its base distribution, before any training).
 
     **Returns:**
 
@@ -111,7 +114,7 @@ def mlp_flow(
     keys = [key] if blocks == 1 else list(jr.split(key, blocks))
     flows = [
         CNF(
-            make_field(dim, width, depth, act, key=k, dtype=dtype),
+            make_field(dim, width, depth, act, key=k, dtype=dtype, zero_last=zero_last),
             dim,
             t1=t1,
             learn_t1=learn_t1,

@@ -31,6 +31,7 @@ def run_flow(config: RunConfig, key, dim: int, dtype=None) -> AbstractFlow:
         rtol=config.rtol,
         atol=config.atol,
         dtype=dtype,
+        zero_last=config.zero_last,
     )
 
 
@@ -46,7 +47,9 @@ def run_standardization(config: RunConfig) -> Standardization | None:
 
 
 def run_optimizer(config: RunConfig):
-    return warmup_cosine_adam(config.steps, config.lr, clip=config.clip)
+    return warmup_cosine_adam(
+        config.steps, config.lr, clip=config.clip, weight_decay=config.weight_decay
+    )
 
 
 def run_estimator(config: RunConfig) -> AbstractEstimator:

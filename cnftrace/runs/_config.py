@@ -215,6 +215,13 @@ class RunConfig:
         "train the integration time too (FFJORD's train_T), starting at --t1",
         legacy=False,
     )
+    zero_last: bool = _setting(
+        False,
+        _MODEL,
+        "start each field's output layer at zero, so that the flow starts as the "
+        "identity",
+        legacy=False,
+    )
     solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
     rtol: float = _setting(
         1e-5, _MODEL, "solver tolerance of the model", check="positive"
@@ -250,6 +257,13 @@ class RunConfig:
     )
     lr: float = _setting(3e-3, _TRAINING, "peak learning rate", check="positive")
     clip: float = _setting(10.0, _TRAINING, "gradient-norm clip", check="positive")
+    weight_decay: float = _setting(
+        0.0,
+        _TRAINING,
+        "AdamW's decoupled weight decay, scaled by the learning rate (0: Adam)",
+        legacy=0.0,
+        check="weight",
+    )
     train_tol: float | None = _setting(
         1e-3,
         _TRAINING,

@@ -143,10 +143,13 @@ def run_dims(
     peers=PEERS,
     peer_seconds: float | None = None,
     on_row=None,
+    seed: int = 0,
 ) -> dict:
     """The `dims` half: for each d, cnftrace's defaults on `warped_product(d)`, then
     each of zuko's `peers` for cnftrace's training seconds (`peer_seconds`, if given,
-    instead: for smoke runs). `on_row(key, row)` is called as each row is done."""
+    instead: for smoke runs). `on_row(key, row)` is called as each row is done.
+    `seed` picks cnftrace's initialisation and training keys (not the density nor
+    its test set): a row of another seed than 0 is keyed `"d/seed"`."""
     zuko_peer, missing = _bench_peer() if peers else (None, None)
     out = {}
     for d in dims:
@@ -155,7 +158,8 @@ def run_dims(
         row = {"density": target.density.name, "dim": d, "n_test": test_size}
         row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
         row["test_true_nll"] = float(-target.true_log_prob(test).mean())
-        row["cnftrace"] = ours = cnftrace_default(target, steps, test)
+        row["seed"] = seed
+        row["cnftrace"] = ours = cnftrace_default(target, steps, test, seed)
         print(f"B5 d={d}: cnftrace {ours}", flush=True)
         seconds = ours["train_s"] if peer_seconds is None else peer_seconds
         row["peer_budget_s"] = seconds  # cnftrace's seconds, but in smoke runs
@@ -166,9 +170,10 @@ def run_dims(
             peer = zuko_at_seconds(zuko_peer, target, test, seconds, model)
             row[f"zuko_{model}"] = peer
             print(f"B5 d={d}: zuko {model} {peer}", flush=True)
-        out[str(d)] = row
+        key = str(d) if seed == 0 else f"{d}/{seed}"
+        out[key] = row
         if on_row is not None:
-            on_row(str(d), row)
+            on_row(key, row)
     return out
 
 
@@ -181,8 +186,9 @@ def dims_markdown(res: dict) -> str:
     for row in res.values():
         ours = row["cnftrace"]
         r = ours["recipe"]
+        seed = row.get("seed", 0)
         cells = [
-            row["dim"],
+            row["dim"] if seed == 0 else f"{row['dim']} (key {seed})",
             f"{r['width']}×{r['depth']}, {r['steps']} × {r['batch']}",
             _gap(ours),
             f"{ours['train_s']:.0f}",
@@ -461,6 +467,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=2000, help="dims: fit's steps")
     parser.add_argument("--test-size", type=int, default=20_000, help="dims")
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="dims: cnftrace's initialisation and training key (the density and "
+        "its test set stay); rows of another seed than 0 are kept beside",
+    )
+    parser.add_argument(
         "--peers", default=",".join(PEERS), help="dims: zuko's models to run (none: '')"
     )
     parser.add_argument("--files", default=",".join(FILES))
@@ -521,7 +534,9 @@ def main(argv=None) -> None:
     stems = []
     if args.half in ("dims", "both"):
         stem, save = saver("dims", [str(d) for d in sorted(set(DIMS) | set(dims))])
-        run_dims(dims, args.steps, args.test_size, peers, args.peer_seconds, save)
+        run_dims(
+            dims, args.steps, args.test_size, peers, args.peer_seconds, save, args.seed
+        )
         stems.append(stem)
     if args.half in ("files", "both"):
         stem, save = saver("files", FILES)
