@@ -18,8 +18,8 @@ TINY = ["--steps", "2", "--batch-size", "16", "--depth", "1", "--no-progress"]
 
 
 @pytest.mark.parametrize(
-    "dim, width", [(1, 64), (2, 64), (5, 64), (6, 128), (10, 128), (11, 192),
-                   (20, 256), (40, 512), (64, 512), (784, 512)],
+    "dim, width", [(1, 64), (2, 64), (5, 64), (6, 256), (10, 256), (11, 256),
+                   (20, 256), (21, 512), (40, 512), (64, 512), (784, 512)],
 )  # fmt: skip
 def test_the_width_follows_the_dimension(dim, width):
     recipe = cnftrace.default_recipe(dim)
@@ -49,14 +49,14 @@ def _hidden_width(field) -> int:
 
 def test_the_models_take_their_width_from_the_recipe():
     key = jr.key(0)
-    assert _hidden_width(cnftrace.MLPField(10, key=key)) == 128
+    assert _hidden_width(cnftrace.MLPField(10, key=key)) == 256
     assert _hidden_width(cnftrace.MLPField(2, key=key)) == 64
     assert _hidden_width(cnftrace.MLPField(10, 32, key=key)) == 32  # given: kept
-    assert _hidden_width(cnftrace.mlp_flow(20, key=key).vector_field) == 256
+    assert _hidden_width(cnftrace.mlp_flow(21, key=key).vector_field) == 512
     blocks = cnftrace.mlp_flow(12, key=key, blocks=2, depth=1).blocks
-    assert [_hidden_width(b.vector_field) for b in blocks] == [192, 192]
+    assert [_hidden_width(b.vector_field) for b in blocks] == [256, 256]
     squash = cnftrace.mlp_flow(10, key=key, field="concatsquash").vector_field
-    assert squash.layers[0].linear.weight.shape[0] == 128
+    assert squash.layers[0].linear.weight.shape[0] == 256
     with pytest.raises(ValueError, match="`dim` must be an int >= 1"):
         cnftrace.mlp_flow(0, key=key)
 

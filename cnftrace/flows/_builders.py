@@ -76,7 +76,7 @@ def mlp_flow(
         ([`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]).
     - `blocks`, `width`, `depth`: the architecture. The width follows `dim` by
         default ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5
-        dimensions, 64 more per 5 more, at most 512).
+        dimensions, 256 up to 20, 512 beyond).
     - `activation`: `"silu"`, `"tanh"`, `"softplus"`, `"elu"` or any function;
         `None` for the field's default (SiLU for `"mlp"`, tanh for
         `"concatsquash"`).

@@ -210,8 +210,8 @@ class MLPField(eqx.Module):
 
     - `dim`: the data dimension.
     - `width`: hidden width; by default it follows `dim`
-        ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5 dimensions, 64 more
-        per 5 more, at most 512).
+        ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5 dimensions, 256 up
+        to 20, 512 beyond).
     - `depth`: number of hidden layers.
     - `activation`: applied after every hidden layer; SiLU by default (it learned
         twice as much per step as tanh on the docs' quality page). Anything smooth,

@@ -195,8 +195,8 @@ class RunConfig:
         None,
         _MODEL,
         "hidden units",
-        shown="follows the data: 64 up to 5 dimensions, 64 more per 5 more, at most "
-        "512; for a file, at most 64 per 2,000 training rows",
+        shown="follows the data: 64 up to 5 dimensions, 256 up to 20, 512 beyond; "
+        "for a file, at most 64 per 2,000 training rows",
         low=1,
         type=int,
     )
