@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,7 @@ import numpy as np
 import cnftrace
 from cnftrace.datasets import read_table, split_table
 from experiments._common import RESULTS, atomic_write
-from experiments.bench import tables
+from experiments.bench import b5, tables
 
 # The flags each recipe adds to `cnftrace train --data FILE --run-dir DIR`.
 VARIANTS = {
@@ -61,7 +59,7 @@ def whitened(data: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
     `seed`'s training rows (the command line then splits the same rows the same way:
     its permutation depends on the row count and the seed only), and `log |det L|`,
     which turns a log-density of `z` into one of `x`: `log p(x) = log p(z) - log|L|`."""
-    train, _, _ = split_table(data, val_fraction=0.1, test_fraction=0.1, seed=seed)
+    train, _, _ = split_table(data, **(b5.SPLIT | {"seed": seed}))
     mean = train.mean(0)
     chol = np.linalg.cholesky(np.cov(train.T, ddof=1))
     z = np.linalg.solve(chol, (data - mean).T).T
@@ -71,7 +69,7 @@ def whitened(data: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
 def gmm_nll(data: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
     """The BIC mixture's per-row test log-density on split `seed`, in the data's
     units (fitted on the standardised training rows, as B5 does)."""
-    train, _, test = split_table(data, val_fraction=0.1, test_fraction=0.1, seed=seed)
+    train, _, test = split_table(data, **(b5.SPLIT | {"seed": seed}))
     std = cnftrace.Standardization.from_data(train)
     log_det = float(np.asarray(std.log_det))
     z_train, z_test = (np.asarray(std.forward(x), np.float64) for x in (train, test))
@@ -80,29 +78,11 @@ def gmm_nll(data: np.ndarray, seed: int) -> tuple[np.ndarray, int]:
 
 
 def run_one(path: str, run_dir: str, seed: int, flags: list[str]) -> dict:
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cli = [sys.executable, "-m", "cnftrace"]
-    train = ["train", "--data", path, "--run-dir", run_dir, "--no-progress"]
-    train += ["--split-seed", str(seed), *flags]
-    env = dict(os.environ, XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
-    for args in (train, ["eval", run_dir]):
-        done = subprocess.run(
-            cli + args, capture_output=True, text=True, env=env, check=False
-        )
-        if done.returncode:
-            raise RuntimeError(f"{args} failed:\n{done.stdout}\n{done.stderr}")
-    with open(os.path.join(run_dir, "eval.json")) as f:
-        evaluation = json.load(f)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    vals = [r for r in records if "val_nll" in r]
-    best = min(vals, key=lambda r: r["val_nll"]) if vals else None
-    return {
-        "nll": evaluation["test_nll"],
-        "steps_done": records[-1]["step"],
-        "best_val_step": None if best is None else best["step"],
-        "train_s": records[-1]["seconds"],
-    }
+    """B5's `cnftrace train` and `cnftrace eval` of one file on split `seed`, with
+    the variant's `flags`: the figures the sweep keeps."""
+    train_args = ["--no-progress", "--split-seed", str(seed), *flags]
+    result = b5.cnftrace_cli(path, run_dir, train_args)
+    return {k: result[k] for k in ("nll", "steps_done", "best_val_step", "train_s")}
 
 
 def main(argv=None) -> None:
@@ -113,6 +93,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(RESULTS, "small_data_sweep.json"))
     args = parser.parse_args(argv)
+    # Each `cnftrace` process B5 starts inherits this: one thread apiece, so that
+    # `--jobs` of them share the cores.
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
     files = [f for f in args.files.split(",") if f]
     variants = [v for v in args.variants.split(",") if v]
     seeds = [int(s) for s in args.split_seeds.split(",") if s]

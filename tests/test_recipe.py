@@ -186,8 +186,7 @@ def test_weight_decay_reaches_the_command_lines_optimizer():
 
 def test_zero_last_starts_the_flow_as_the_identity():
     """`mlp_flow(..., zero_last=True)` (the command line's `--zero-last`): before
-    training, the flow's log-density is the standard normal's, exactly, and its
-    samples are its base draws."""
+    training, the flow's log-density is the standard normal's, exactly."""
     x = np.random.default_rng(1).standard_normal((5, 3))
     for field in ("mlp", "concatsquash"):
         flow = cnftrace.mlp_flow(3, key=jr.key(0), field=field, width=8, zero_last=True)
