@@ -51,6 +51,11 @@ VARIANTS = {
     "whiten": [],
     "zero": ["--zero-last"],
     "whiten_zero": ["--zero-last"],
+    # The base distribution (issue 42): the default fits one to the training rows.
+    "normal": ["--base", "normal"],
+    "mixture": ["--base", "mixture"],
+    "t-mixture": ["--base", "t-mixture"],
+    "student-t": ["--base", "student-t"],
 }
 
 

@@ -150,7 +150,7 @@ def test_conditional_8gaussians_samples_land_on_their_mode():
         validation=cnftrace.Validation(x_val, c_val, every=100),
     )
     # Validation ran with the contexts, and the best parameters were kept.
-    assert len(hist["val_nll"]) == 2 and np.all(np.isfinite(hist["val_nll"]))
+    assert len(hist["val_nll"]) == 3 and np.all(np.isfinite(hist["val_nll"]))
     angles = jnp.arange(8) * (jnp.pi / 4)
     centres = 4 * jnp.stack([jnp.cos(angles), jnp.sin(angles)], -1) / 1.414
     labels = jnp.repeat(jnp.arange(8), 200)

@@ -24,6 +24,7 @@ import jax.random as jr
 from .. import training
 from .._checks import seed_key
 from .._io import atomic_write
+from ..flows import fit_base
 from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
 from ..training import (
     Checkpoints,
@@ -54,7 +55,9 @@ def cmd_train(args) -> int:
     config = dataclasses.replace(config, **pinned)
     # What the default recipe leaves to the data: its dimension and training rows.
     rows = None if source.reference is None else int(source.reference.shape[0])
-    config = config.for_data(source.dim, rows, _existing_run(config.run_dir))
+    existing = _existing_run(config.run_dir)
+    config = config.for_data(source.dim, rows, existing)
+    base, config = _fitted_base(config, source, existing)
     if config.recipe is not None:
         print(f"recipe: {config.recipe}", flush=True)
     check_fits_in_memory("--batch-size", config.batch_size, source.dim)
@@ -62,7 +65,7 @@ def cmd_train(args) -> int:
     check_probes_fit_in_memory(config, source.dim)
     model_key, train_key = jr.split(seed_key(config.seed))
     # Everything is checked (the model too) before anything is written.
-    flow = run_flow(config, model_key, source.dim)
+    flow = run_flow(config, model_key, source.dim, base=base)
     settings = dict(
         key=train_key,
         objective=run_objective(config),
@@ -84,6 +87,29 @@ def cmd_train(args) -> int:
         resumed = f" (resumed at step {start})" if start else ""
         print(f"trained {done} steps{stopped}{resumed}; {loss}")
     return 0
+
+
+def _fitted_base(config: RunConfig, source, existing: RunConfig | None):
+    """`(base, config)`: the base distribution fitted to the training rows (in the
+    units the flow models: standardised), `None` for the standard normal, and the
+    settings with the base recorded (`RunConfig.with_base`). A resumed run fits its
+    base again (deterministic for the same rows and seed), for the steps before its
+    first checkpoint; the checkpoint's parameters then replace it."""
+    kind = config.base_to_fit(existing)
+    if kind == "normal":
+        return None, config.with_base("normal", None, "standard normal", existing)
+    train = source.reference
+    if source.standardization is not None:
+        train = source.standardization.forward(train)
+    base, info = fit_base(
+        train,
+        validation=source.validation,
+        kind=kind,
+        seed=config.seed % 2**32,
+        return_info=True,
+    )
+    line = info["reason"]
+    return base, config.with_base(info["kind"], info.get("components"), line, existing)
 
 
 def _training_mesh(config: RunConfig):
@@ -197,6 +223,11 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
 
     def on_log(record):
         nonlocal start
+        if "loss" not in record:  # the validation of the flow as it starts
+            metrics.write(record)
+            if not tty:
+                print(f"step       0  val_nll {record['val_nll']:.4f}", flush=True)
+            return
         if start is None:
             start = record["step"] - 1
         now = time.perf_counter()

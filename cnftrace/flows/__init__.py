@@ -1,7 +1,13 @@
-"""Flows: the base class every flow derives from, the CNF block, chains of blocks, the
-multiscale image model and flows in a data file's units."""
+"""Flows: the base class every flow derives from, base distributions (and their fit
+to training rows), the CNF block, chains of blocks, the multiscale image model and
+flows in a data file's units."""
 
 from ._base import AbstractFlow as AbstractFlow
+from ._base_fit import (
+    BASE_KINDS as BASE_KINDS,
+    base_template as base_template,
+    fit_base as fit_base,
+)
 from ._builders import (
     ACTIVATIONS as ACTIVATIONS,
     DEFAULT_ACTIVATION as DEFAULT_ACTIVATION,
@@ -11,6 +17,13 @@ from ._builders import (
 )
 from ._chain import Chain as Chain, make_flow as make_flow
 from ._cnf import CNF as CNF
+from ._distributions import (
+    AbstractBase as AbstractBase,
+    GaussianMixture as GaussianMixture,
+    StandardNormal as StandardNormal,
+    StudentT as StudentT,
+    StudentTMixture as StudentTMixture,
+)
 from ._inputs import need_key as need_key, validate_input as validate_input
 from ._multiscale import (
     MultiscaleFlow as MultiscaleFlow,

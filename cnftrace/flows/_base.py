@@ -1,10 +1,12 @@
-"""Continuous normalizing flows over a standard-normal base.
+"""Continuous normalizing flows over a base distribution (the standard normal unless
+another is given).
 
 Conventions. A block maps data towards the base by solving `dz/dt = f(t, z)` from `t0`
 to `t1`; this is the *forward* direction (`forward`, `log_prob`). Sampling runs the
-*inverse* direction, from `t1` back to `t0`. With `log_det = log|det dz/dx|`,
+*inverse* direction, from `t1` back to `t0`. With `log_det = log|det dz/dx|` and `q`
+the flow's base,
 
-    log p(x) = log N(z; 0, I) + log_det,    log_det = integral_{t0}^{t1} tr(df/dz) dt.
+    log p(x) = log q(z) + log_det,    log_det = integral_{t0}^{t1} tr(df/dz) dt.
 
 Each solve treats the whole batch as one ODE state (never a `vmap` of solves), and the
 step-size controller uses the maximum over samples of each sample's RMS error.
@@ -28,12 +30,12 @@ from .._checks import (
 from .._custom_types import Key
 from ..estimators import AbstractEstimator
 from ..ode import Regularization, SolveStats
+from ._distributions import AbstractBase
 from ._inputs import need_key, validate_input
 from ._programs import (
     log_prob_program,
     raise_on_failure,
     sample_program,
-    standard_normal_log_prob,
     transform_program,
 )
 
@@ -42,7 +44,7 @@ if TYPE_CHECKING:  # the type of `blocks`; `_cnf` imports this module
 
 
 class AbstractFlow(eqx.Module):
-    """A normalizing flow over a standard-normal base, built from CNF blocks.
+    """A normalizing flow over a base distribution, built from CNF blocks.
 
     The methods below are those of every flow ([`CNF`][cnftrace.CNF],
     [`Chain`][cnftrace.Chain], [`MultiscaleFlow`][cnftrace.MultiscaleFlow]). They take
@@ -54,9 +56,13 @@ class AbstractFlow(eqx.Module):
     Every flow says what it holds: `blocks`, its CNF blocks in the order data passes
     them (a [`CNF`][cnftrace.CNF] is its own one block; chains of chains are
     flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
-    entries. Subclasses provide `blocks` (an `equinox.AbstractVar`: a field or a
-    property), [`transform`][cnftrace.AbstractFlow.transform], `event_shape` and
-    `with_estimator`; everything else is defined here.
+    entries. Every flow also has a `base`, the
+    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to (a
+    [`StandardNormal`][cnftrace.StandardNormal] unless another was given), part of
+    its parameters. Subclasses provide `blocks` and `base` (each an
+    `equinox.AbstractVar`: a field or a property),
+    [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
+    `with_estimator` and `with_base`; everything else is defined here.
 
     !!! example
 
@@ -72,6 +78,7 @@ class AbstractFlow(eqx.Module):
     """
 
     blocks: eqx.AbstractVar[tuple["CNF", ...]]
+    base: eqx.AbstractVar[AbstractBase]
 
     @property
     @abc.abstractmethod
@@ -99,6 +106,11 @@ class AbstractFlow(eqx.Module):
     @abc.abstractmethod
     def with_estimator(self, estimator: AbstractEstimator) -> "AbstractFlow":
         """A copy of the flow whose blocks all use `estimator`."""
+
+    @abc.abstractmethod
+    def with_base(self, base: AbstractBase) -> "AbstractFlow":
+        """A copy of the flow over another base distribution (of the flow's
+        `event_shape`)."""
 
     def with_tolerance(self, rtol: float, atol: float) -> "AbstractFlow":
         """A copy of the flow whose blocks all solve with these tolerances (the
@@ -168,7 +180,7 @@ class AbstractFlow(eqx.Module):
         key: Key | None = None,
         return_stats: bool = False,
     ):
-        """The log-density of `x`: `log N(z; 0, I) + log|det dz/dx|`.
+        """The log-density of `x`: `log q(z) + log|det dz/dx|`, with `q` the base.
 
         **Arguments:**
 
@@ -237,7 +249,7 @@ class AbstractFlow(eqx.Module):
             context=context,
             regularize=regularize,
         )
-        logp = standard_normal_log_prob(z, len(self.event_shape)) + log_det
+        logp = self.base.log_prob(z) + log_det
         return (logp, reg, stats) if regularize else (logp, stats)
 
     def sample(
@@ -249,7 +261,7 @@ class AbstractFlow(eqx.Module):
         dtype=None,
         return_stats: bool = False,
     ):
-        """Draws `n` samples: base noise mapped through the inverse flow.
+        """Draws `n` samples: draws of the base mapped through the inverse flow.
 
         No divergence is computed, so this costs a plain ODE solve per block.
 

@@ -15,6 +15,7 @@ from ..nets import ConcatSquashMLP, MLPField
 from ._base import AbstractFlow
 from ._chain import Chain
 from ._cnf import CNF
+from ._distributions import AbstractBase, StandardNormal, check_base
 
 SOLVERS = {
     "tsit5": diffrax.Tsit5,
@@ -59,7 +60,8 @@ def mlp_flow(
     estimator: AbstractEstimator | None = None,
     max_steps: int = 4096,
     dtype=None,
-    zero_last: bool = False,
+    zero_last: bool | None = None,
+    base: AbstractBase | None = None,
 ) -> AbstractFlow:
     """A flow of `blocks` CNF blocks, each an MLP vector field with `depth` hidden
     layers of `width` units: cnftrace's default model ([`MLPField`][cnftrace.MLPField]
@@ -84,8 +86,12 @@ def mlp_flow(
     - `solver`: `"tsit5"`, `"dopri5"`, `"dopri8"`, `"bosh3"` or a diffrax solver.
     - `rtol`, `atol`, `estimator`, `max_steps`: as for [`CNF`][cnftrace.CNF].
     - `dtype`: the parameters' dtype (JAX's default float if omitted).
+    - `base`: the flow's base distribution (the standard normal if omitted), e.g.
+        one fitted to training rows by [`fit_base`][cnftrace.fit_base].
     - `zero_last`: start each field's output layer at zero, so that the flow starts
-        as the identity (its base distribution, before any training).
+        as the identity: its log-density is exactly the base's. `None` (default):
+        zero when a `base` other than the standard normal is given, so that the
+        flow starts as the fitted base and training improves on it.
 
     **Returns:**
 
@@ -109,6 +115,10 @@ def mlp_flow(
     if width is None:
         check_int("dim", dim)
         width = default_width(dim)
+    if base is not None:
+        base = check_base(base, (dim,))
+    if zero_last is None:
+        zero_last = base is not None and not isinstance(base, StandardNormal)
     make_field = MLPField if field == "mlp" else ConcatSquashMLP
     solver_type = _lookup(SOLVERS, "solver", solver)
     keys = [key] if blocks == 1 else list(jr.split(key, blocks))
@@ -126,4 +136,6 @@ def mlp_flow(
         )
         for k in keys
     ]
+    if base is not None:  # the last block's base is the flow's
+        flows[-1] = flows[-1].with_base(base)
     return flows[0] if blocks == 1 else Chain(flows)

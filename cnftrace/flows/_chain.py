@@ -9,21 +9,25 @@ from .._custom_types import VectorField
 from ..ode import SolveStats
 from ._base import AbstractFlow
 from ._cnf import CNF
+from ._distributions import AbstractBase, check_base
 
 
 class Chain(AbstractFlow):
-    """A chain of flows over one standard-normal base.
+    """A chain of flows over one base distribution.
 
     Data passes through `flows[0]`, then `flows[1]`, ... towards the base;
     sampling runs them in reverse order. `log_prob` adds up their log-determinants.
     `blocks` lists every CNF block of the chain in data order, with chains of chains
-    flattened.
+    flattened. The chain's base is its last flow's: the bases of the other flows
+    are not used.
 
     **Arguments:**
 
     - `flows`: a sequence of [`CNF`][cnftrace.CNF] blocks (or other flows, chains
         included) with the same `event_shape` (and the same `context_dim`, passed to
         every one).
+    - `base`: the chain's base distribution; it replaces the last flow's (whose
+        base is the chain's when omitted).
 
     !!! example
 
@@ -42,7 +46,9 @@ class Chain(AbstractFlow):
 
     flows: tuple[AbstractFlow, ...]
 
-    def __init__(self, flows: Sequence[AbstractFlow]):
+    def __init__(
+        self, flows: Sequence[AbstractFlow], *, base: AbstractBase | None = None
+    ):
         flows = tuple(flows)
         if not flows:
             raise ValueError(
@@ -65,12 +71,23 @@ class Chain(AbstractFlow):
                 "all blocks must take the same context (the same `context_dim`, or "
                 f"none); got context_dim values {contexts}."
             )
+        if base is not None:
+            flows = flows[:-1] + (flows[-1].with_base(base),)
         self.flows = flows
 
     @property
     def blocks(self) -> tuple["CNF", ...]:
         """Every CNF block of the chain, in data order (chains flattened)."""
         return tuple(b for f in self.flows for b in f.blocks)
+
+    @property
+    def base(self) -> AbstractBase:
+        """The base distribution: the last flow's."""
+        return self.flows[-1].base
+
+    def with_base(self, base: AbstractBase) -> "Chain":
+        base = check_base(base, self.event_shape)
+        return Chain(self.flows[:-1] + (self.flows[-1].with_base(base),))
 
     @property
     def composes_blocks(self) -> bool:

@@ -27,6 +27,7 @@ from ..ode import (
     state_and_log_density_norm,
 )
 from ._base import AbstractFlow
+from ._distributions import AbstractBase, check_base
 from ._inputs import check_span
 
 
@@ -73,6 +74,11 @@ class CNF(AbstractFlow):
     - `learn_t1`: make the end time a trainable parameter (FFJORD's `train_T`),
         kept positive as `t1 = t0 + exp(log_span)` and initialised at `t1`. Read it as
         `flow.t1`.
+    - `base`: the base distribution at `t1`, an
+        [`AbstractBase`][cnftrace.AbstractBase] over samples of shape `dim`
+        ([`StandardNormal`][cnftrace.StandardNormal] if omitted). Its parameters are
+        trained with the field's unless it is frozen (`trainable=False`).
+        [`fit_base`][cnftrace.fit_base] fits one to training rows.
 
     !!! example
 
@@ -100,6 +106,7 @@ class CNF(AbstractFlow):
     args: object
     context_size: int | None = eqx.field(static=True)
     learn_t1: bool = eqx.field(static=True)
+    base: AbstractBase
 
     def __init__(
         self,
@@ -120,6 +127,7 @@ class CNF(AbstractFlow):
         args=None,
         context_dim: int | None = None,
         learn_t1: bool = False,
+        base: AbstractBase | None = None,
     ):
         if not callable(vector_field):
             raise TypeError(
@@ -161,6 +169,7 @@ class CNF(AbstractFlow):
             )
         estimator = Exact() if estimator is None else estimator
         check_estimator(estimator)
+        self.base = check_base(base, shape)
         self.vector_field = vector_field
         self.shape = shape
         self.t0 = t0
@@ -212,6 +221,9 @@ class CNF(AbstractFlow):
 
     def with_estimator(self, estimator: AbstractEstimator) -> "CNF":
         return eqx.tree_at(lambda f: f.estimator, self, estimator)
+
+    def with_base(self, base: AbstractBase) -> "CNF":
+        return eqx.tree_at(lambda f: f.base, self, check_base(base, self.shape))
 
     def _adjoint(self) -> diffrax.AbstractAdjoint:
         # The backward solve of BacksolveAdjoint runs on the augmented state

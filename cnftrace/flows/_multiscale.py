@@ -10,7 +10,8 @@ time as an extra input channel ([`ConvField`][cnftrace.ConvField]).
 
 The latent of an image is all factored-out parts and the last scale's output,
 flattened and concatenated in that order and reshaped to `(C, H, W)`: the flow keeps
-the data's shape, and its base is a standard normal over every dimension.
+the data's shape, and its base is a distribution over that shape (the standard normal
+over every dimension unless another is given).
 """
 
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from ..ode import SolveStats
 from ._base import AbstractFlow
 from ._chain import Chain
 from ._cnf import CNF
+from ._distributions import AbstractBase, check_base
 
 
 def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"]:
@@ -150,6 +152,8 @@ class MultiscaleFlow(AbstractFlow):
         `train_T`).
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`: each block's
         solver settings, as for [`CNF`][cnftrace.CNF].
+    - `base`: the base distribution over the latent of shape `shape`
+        ([`StandardNormal`][cnftrace.StandardNormal] if omitted).
     - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 
@@ -168,6 +172,7 @@ class MultiscaleFlow(AbstractFlow):
     scales: tuple[Chain, ...]
     squeezed: tuple[Chain, ...]
     shape: tuple[int, int, int] = eqx.field(static=True)
+    base: AbstractBase
 
     def __init__(
         self,
@@ -186,6 +191,7 @@ class MultiscaleFlow(AbstractFlow):
         adjoint: diffrax.AbstractAdjoint | None = None,
         estimator: AbstractEstimator | None = None,
         max_steps: int = 4096,
+        base: AbstractBase | None = None,
         key: Key,
         dtype=None,
     ):
@@ -249,6 +255,7 @@ class MultiscaleFlow(AbstractFlow):
         self.scales = tuple(scales)
         self.squeezed = tuple(squeezed)
         self.shape = shape
+        self.base = check_base(base, shape)
 
     @property
     def event_shape(self) -> tuple[int, ...]:
@@ -284,6 +291,9 @@ class MultiscaleFlow(AbstractFlow):
                 tuple(c.with_estimator(estimator) for c in self.squeezed),
             ),
         )
+
+    def with_base(self, base: AbstractBase) -> "MultiscaleFlow":
+        return eqx.tree_at(lambda f: f.base, self, check_base(base, self.shape))
 
     def _factored_shapes(self) -> list[tuple[int, int, int]]:
         """The shapes of the parts packed into the latent: each scale's factored-out

@@ -6,25 +6,16 @@ solve raised on the host.
 after it; inside a caller's transformation they are inlined and raise by a runtime
 check instead."""
 
-import math
 from collections.abc import Callable
 
 import diffrax
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array
 
 from ..ode import SolveStats
 from ._inputs import tracing
-
-
-def standard_normal_log_prob(z: Array, event_ndim: int) -> Array:
-    axes = tuple(range(z.ndim - event_ndim, z.ndim))
-    size = math.prod(z.shape[z.ndim - event_ndim :])
-    return -0.5 * jnp.sum(z**2, axis=axes) - 0.5 * size * math.log(2 * math.pi)
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -61,13 +52,13 @@ def sample_program(flow, key, n, dtype, context, log_det):
         key, probe_key = jr.split(key)
     else:
         probe_key = None
-    z = jr.normal(key, (n,) + flow.event_shape, dtype)
+    z = flow.base.sample(key, n, dtype=dtype)
     x, ld, stats, _ = flow.transform(
         z, inverse=True, log_det=log_det, key=probe_key, context=context
     )
     if not log_det:
         return x, stats
-    return x, standard_normal_log_prob(z, len(flow.event_shape)) - ld, stats
+    return x, flow.base.log_prob(z) - ld, stats
 
 
 class SolverError(RuntimeError):

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float
 from ..estimators import AbstractEstimator
 from ._base import AbstractFlow
 from ._cnf import CNF
+from ._distributions import AbstractBase
 
 
 class Standardization(eqx.Module):
@@ -242,6 +243,16 @@ class StandardizedFlow(AbstractFlow):
     @property
     def context_dim(self) -> int | None:
         return self.flow.context_dim
+
+    @property
+    def base(self) -> AbstractBase:
+        """The standardised flow's base (a distribution in standardised units)."""
+        return self.flow.base
+
+    def with_base(self, base: AbstractBase) -> "StandardizedFlow":
+        """A copy whose standardised flow has another base (in standardised
+        units)."""
+        return StandardizedFlow(self.flow.with_base(base), self.standardization)
 
     def log_prob(self, x, *, context=None, key=None, return_stats=False):
         """As [`AbstractFlow.log_prob`][cnftrace.AbstractFlow.log_prob]. Host data

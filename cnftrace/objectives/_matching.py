@@ -166,7 +166,7 @@ def flow_matching_loss(
 ) -> Float[Array, ""]:
     """The conditional flow-matching loss of `flow` on the batch `x`.
 
-    Each sample gets a standard-normal partner (paired at random, or by minibatch
+    Each sample gets a partner drawn from the base (paired at random, or by minibatch
     optimal transport) and a path time `s ~ U[0, 1]`; the loss is the mean over
     samples and elements of `((t1 - t0) f(t, x_s) - u)^2`, the field's velocity in
     path time against the path's (see [`FlowMatching`][cnftrace.FlowMatching]).
@@ -220,7 +220,9 @@ def flow_matching_loss(
         )
     n, k = x.shape[0], len(blocks)
     time_key, noise_key = jr.split(key)
-    noise = jr.normal(noise_key, x.shape, x.dtype)
+    # The path's other end is a draw of the base (the standard normal by default);
+    # a trainable base is a constant here: flow matching fits the field to it.
+    noise = jax.lax.stop_gradient(flow.base.sample(noise_key, n, dtype=x.dtype))
     if objective.coupling == "ot":
         noise = ot_pairing(x, noise)
     # Sample i goes to block i % k, at a time uniform on that block's part of [0, 1].

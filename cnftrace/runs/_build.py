@@ -5,15 +5,27 @@ import jax.random as jr
 import numpy as np
 
 from ..estimators import AbstractEstimator, Exact, Hutchinson
-from ..flows import AbstractFlow, Standardization, mlp_flow
+from ..flows import (
+    AbstractBase,
+    AbstractFlow,
+    Standardization,
+    base_template,
+    mlp_flow,
+)
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import warmup_cosine_adam
 from ._config import RunConfig
 
 
-def run_flow(config: RunConfig, key, dim: int, dtype=None) -> AbstractFlow:
+def run_flow(
+    config: RunConfig, key, dim: int, dtype=None, base: AbstractBase | None = None
+) -> AbstractFlow:
     """The flow described by a run's config, for data of dimension `dim`, with
-    parameters of `dtype` (JAX's default float if `None`)."""
+    parameters of `dtype` (JAX's default float if `None`), over `base` (fitted to
+    the training rows), or where it is `None` over a base of the config's kind with
+    placeholder values (for a checkpoint's to be loaded into)."""
+    if base is None and config.base not in (None, "normal"):
+        base = base_template(config.base, dim, config.base_components, dtype=dtype)
     if config.blocks == 1:
         # The command line has always drawn a single block's key by a split.
         key = jr.split(key, 1)[0]
@@ -31,7 +43,8 @@ def run_flow(config: RunConfig, key, dim: int, dtype=None) -> AbstractFlow:
         rtol=config.rtol,
         atol=config.atol,
         dtype=dtype,
-        zero_last=config.zero_last,
+        zero_last=bool(config.zero_last),
+        base=base,
     )
 
 

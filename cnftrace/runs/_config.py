@@ -16,8 +16,8 @@ from typing import Any
 
 from .._io import FileKindError, read_regular_file
 from .._recipe import default_recipe
-from ..datasets import ALL_DATASETS
-from ..flows import ACTIVATIONS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
+from ..datasets import ALL_DATASETS, TABULAR_DATASETS, UCI_DATASETS
+from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
 
@@ -26,6 +26,8 @@ _REQUIRED = object()  # no value to assume for a config written without the key
 # why): never compared on resume, nor with a checkpoint.
 DERIVED = ("recipe",)
 GROUPS = ("data", "model", "training", "run")
+# The built-in sets that are tables of rows (a base can be fitted to them).
+TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
 # The length and batch size of training by data set, where the general default
 # (`None`) falls short: checkerboard's sharp edges need more and less noisy steps.
 RECIPES = {
@@ -215,12 +217,30 @@ class RunConfig:
         "train the integration time too (FFJORD's train_T), starting at --t1",
         legacy=False,
     )
-    zero_last: bool = _setting(
-        False,
+    base: str | None = _setting(
+        None,
         _MODEL,
-        "start each field's output layer at zero, so that the flow starts as the "
-        "identity",
+        "the base distribution, fitted to the training rows (standardised) before "
+        "training: a Gaussian mixture with its components chosen by BIC (mixture), "
+        "that mixture with Student-t tails (t-mixture), a Student-t per column "
+        "(student-t), the better of mixture and t-mixture on the validation rows "
+        "(auto), or the standard normal (normal)",
+        legacy="normal",
+        shown="auto for a table (a data file or a --data-dir or scikit-learn set), "
+        "normal for the toy sets and images",
+        choices=list(BASE_KINDS),
+    )
+    # How many components the fitted base has (derived from the data; stored to
+    # rebuild the model).
+    base_components: int | None = _setting(None, _MODEL, "", legacy=None, flag=False)
+    zero_last: bool | None = _setting(
+        None,
+        _MODEL,
+        "start each field's output layer at zero, so that the flow starts as its "
+        "base distribution",
         legacy=False,
+        shown="on with a fitted --base, off with the standard normal",
+        action="store_true",
     )
     solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
     rtol: float = _setting(
@@ -414,6 +434,12 @@ class RunConfig:
                     f"--drop-missing reads a data file; --data {self.data} is a "
                     "built-in data set, which has no missing values."
                 )
+        if self.base not in (None, "normal", "auto") and not self.fits_base():
+            raise ValueError(
+                f"--base {self.base} is fitted to a table's training rows; --data "
+                f"{self.data} is drawn afresh at every step (or is images): use "
+                "--base normal, or give a data file."
+            )
         if self.objective != "mle":
             if self.learn_t1:
                 raise ValueError(
@@ -425,6 +451,13 @@ class RunConfig:
                     "--kinetic-energy and --jacobian-norm regularise --objective "
                     f"mle; drop them with --objective {self.objective}."
                 )
+
+    def fits_base(self) -> bool:
+        """Whether the data are a table whose training rows a base can be fitted to
+        (a data file, or a built-in table), not samples drawn afresh or images."""
+        if self.from_files():
+            return True
+        return isinstance(self.data, str) and self.data in TABLE_SETS
 
     def from_files(self) -> bool:
         """Whether `data` names files (by their extension) rather than a data set."""
@@ -463,6 +496,40 @@ class RunConfig:
             return dataclasses.replace(self, width=run.width, recipe=run.recipe)
         chosen = default_recipe(dim, rows)
         return dataclasses.replace(self, width=chosen.width, recipe=chosen.reason)
+
+    def base_to_fit(self, run: "RunConfig | None" = None) -> str:
+        """The kind of base this run fits (`BASE_KINDS`, `"auto"` included): the
+        flag's, else the run's already in the directory (a run resumes as it
+        began), else `"auto"` for a table and `"normal"` otherwise."""
+        if self.base is not None:
+            return self.base
+        if run is not None:
+            return run.base
+        return "auto" if self.fits_base() else "normal"
+
+    def with_base(
+        self, kind: str, components: int | None, line: str, run=None
+    ) -> "RunConfig":
+        """These settings with the base that was fitted (`kind`, not `"auto"`, and
+        its number of components), the field started at zero for a fitted base
+        unless `--zero-last` was decided (here or by the `run` being resumed), and
+        `line` (what the base is) added to the recipe's line."""
+        zero_last = self.zero_last
+        if zero_last is None:
+            zero_last = run.zero_last if run is not None else kind != "normal"
+        recipe = self.recipe
+        if run is None or run.recipe is None or self.recipe != run.recipe:
+            parts = [p for p in (recipe, f"base: {line}") if p]
+            if zero_last and kind != "normal":
+                parts[-1] += ", the field started at zero"
+            recipe = "; ".join(parts)
+        return dataclasses.replace(
+            self,
+            base=kind,
+            base_components=components,
+            zero_last=zero_last,
+            recipe=recipe,
+        )
 
     # ------------------------------------------------------------ config.json
 

@@ -38,9 +38,9 @@ from ._trainer import DataSource, Trainer, jitted_step_donating
 
 
 class Validation(eqx.Module):
-    """[`fit`][cnftrace.fit]'s validation settings: every `every` steps (and at the
-    end) the NLL of held-out samples is computed, and the parameters with the best
-    validation NLL are the ones `fit` returns.
+    """[`fit`][cnftrace.fit]'s validation settings: before the first step, every
+    `every` steps and at the end, the NLL of held-out samples is computed, and the
+    parameters with the best validation NLL are the ones `fit` returns.
 
     **Arguments:**
 
@@ -196,8 +196,10 @@ def fit(
         context row per sample of `data`. A generator for a conditional flow
         returns `(batch, context)` pairs instead.
     - `validation`: a [`Validation`][cnftrace.Validation] (held-out samples,
-        how often, patience, estimator), or just the held-out samples. The
-        parameters with the best validation NLL are the ones returned.
+        how often, patience, estimator), or just the held-out samples. The flow is
+        validated before the first step too (step 0 of the history), and the
+        parameters with the best validation NLL are the ones returned: never worse
+        on the held-out samples than the flow `fit` was given.
     - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints] (directory, how often,
         how many to keep, the run's config), or just the directory (a `str` or a
         `pathlib.Path`). A directory
@@ -410,6 +412,12 @@ class _Loop:
             unit="it",
         )
         every = None if self.checkpoints is None else self.checkpoints.every
+        if (
+            self.validation is not None
+            and first_step == 0
+            and 0 not in self.history["val_step"]
+        ):
+            self._validate_start(on_log if self.main_process else None)
         # A step that is only logged is logged once the next one has been handed to
         # the device (from its record and a copy of its counters: its state is given
         # to the next step), so that the host's work (the next step's dispatch, this
@@ -528,6 +536,16 @@ class _Loop:
         if self._validations_since_best() == 0:
             self.best = copy_arrays(_params(self.state.flow))
         return dict(record, val_nll=val.mean, val_stderr=val.stderr)
+
+    def _validate_start(self, on_log) -> None:
+        """Validates the flow as it starts (step 0), so that the one `fit` returns
+        is never worse on the validation rows than the one it was given: a flow
+        over a fitted base whose field starts at zero is that base, and training
+        keeps only what improves on it. `on_log` gets the record `{"step": 0,
+        "val_nll": ..., "val_stderr": ...}`."""
+        record = self._validate(0, {"step": 0})
+        if on_log is not None:
+            on_log(record)
 
     def _validations_since_best(self) -> int:
         nll = self.history["val_nll"]

@@ -1,10 +1,12 @@
 """The optimiser of `fit` and the command line: Adam on a warmup-cosine schedule,
 gradients clipped."""
 
+import jax
 import optax
 
 from .._checks import check_int
 from .._recipe import BATCH_SIZE, LR
+from ..flows import AbstractBase
 
 # The defaults of `fit` and `Trainer`, from the default recipe.
 DEFAULT_BATCH_SIZE = BATCH_SIZE
@@ -46,7 +48,9 @@ def warmup_cosine_adam(
     - `steps`: the schedule's horizon, usually the number of training steps.
     - `lr`: the peak learning rate.
     - `warmup`: warmup steps; `min(50, max(1, steps // 4))` by default.
-    - `end_factor`, `clip`, `weight_decay`: as above.
+    - `end_factor`, `clip`, `weight_decay`: as above. Weight decay pulls the
+        vector fields' weights towards zero; a base distribution's parameters (a
+        mixture's means, a Student-t's degrees of freedom) are never decayed.
 
     !!! example
 
@@ -65,8 +69,22 @@ def warmup_cosine_adam(
         end_value=lr / 20 if end_factor is None else lr * end_factor,
     )
     adam = (
-        optax.adamw(schedule, weight_decay=weight_decay)
+        optax.adamw(schedule, weight_decay=weight_decay, mask=_outside_bases)
         if weight_decay
         else optax.adam(schedule)
     )
     return adam if clip is None else optax.chain(optax.clip_by_global_norm(clip), adam)
+
+
+def _outside_bases(params):
+    """A mask of `params` (a flow's): `False` for the parameters of its base
+    distributions, `True` for the rest."""
+
+    def mask(node):
+        if isinstance(node, AbstractBase):
+            return jax.tree_util.tree_map(lambda _: False, node)
+        return True
+
+    return jax.tree_util.tree_map(
+        mask, params, is_leaf=lambda n: isinstance(n, AbstractBase)
+    )
