@@ -56,6 +56,7 @@ VARIANTS = {
     "mixture": ["--base", "mixture"],
     "t-mixture": ["--base", "t-mixture"],
     "student-t": ["--base", "student-t"],
+    "random": ["--no-zero-last"],  # the fitted base, the field initialised at random
 }
 
 

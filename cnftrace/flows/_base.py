@@ -33,6 +33,7 @@ from ..ode import Regularization, SolveStats
 from ._distributions import AbstractBase
 from ._inputs import need_key, validate_input
 from ._programs import (
+    check_draws,
     log_prob_program,
     raise_on_failure,
     sample_program,
@@ -264,6 +265,9 @@ class AbstractFlow(eqx.Module):
         """Draws `n` samples: draws of the base mapped through the inverse flow.
 
         No divergence is computed, so this costs a plain ODE solve per block.
+        Draws of a heavy-tailed base beyond the solver's range (`1 / eps` of the
+        float: 8.4e6 in float32) are drawn again, with a warning saying how many; a
+        NaN or inf never reaches the samples.
 
         **Arguments:**
 
@@ -281,8 +285,8 @@ class AbstractFlow(eqx.Module):
         check_key("key", key)
         dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
-        x, stats = sample_program(self, key, n, dtype, context, False)
-        x = raise_on_failure(x, stats)
+        x, _, stats, counts = sample_program(self, key, n, dtype, context, False)
+        x = check_draws(raise_on_failure(x, stats), counts, self.base, n, dtype)
         return (x, stats) if return_stats else x
 
     def sample_and_log_prob(
@@ -310,8 +314,9 @@ class AbstractFlow(eqx.Module):
         check_key("key", key)
         dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
-        x, logp, stats = sample_program(self, key, n, dtype, context, True)
+        x, logp, stats, counts = sample_program(self, key, n, dtype, context, True)
         x, logp = raise_on_failure((x, logp), stats)
+        x, logp = check_draws((x, logp), counts, self.base, n, dtype)
         return (x, logp, stats) if return_stats else (x, logp)
 
     def forward(

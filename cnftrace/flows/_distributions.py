@@ -17,6 +17,7 @@ softplus), so that any update of the optimiser leaves a valid distribution.
 
 import abc
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -55,6 +56,9 @@ class AbstractBase(eqx.Module):
 
     shape: eqx.AbstractVar[tuple[int, ...]]
     trainable: eqx.AbstractVar[bool]
+    # Whether draws can exceed what a float (or the ODE solver) can hold: the flows
+    # then check them (`sample`).
+    heavy_tailed: ClassVar[bool] = False
 
     @abc.abstractmethod
     def _log_prob(self, z: Float[Array, "n ..."]) -> Float[Array, " n"]:
@@ -169,6 +173,7 @@ class StudentT(AbstractBase):
     df_raw: Float[Array, " d"]
     shape: tuple[int, ...] = eqx.field(static=True)
     trainable: bool = eqx.field(static=True)
+    heavy_tailed: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -213,21 +218,22 @@ class StudentT(AbstractBase):
         return jax.nn.softplus(self.df_raw)
 
     def _log_prob(self, z):
-        df = jax.nn.softplus(self.df_raw)
-        u = (z - self.loc) * jnp.exp(-self.log_scale)
+        df = jax.nn.softplus(self.df_raw)[None]
+        log_scale = self.log_scale[None]
+        u = (z - self.loc[None]) * jnp.exp(-log_scale)
         terms = (
             gammaln(0.5 * (df + 1))
             - gammaln(0.5 * df)
             - 0.5 * jnp.log(df * math.pi)
-            - self.log_scale
+            - log_scale
             - 0.5 * (df + 1) * jnp.log1p(u**2 / df)
         )
         return jnp.sum(terms, axis=1)
 
     def _sample(self, key, n, dtype):
-        df = jax.nn.softplus(self.df_raw)
+        df = jnp.broadcast_to(jax.nn.softplus(self.df_raw), (n, *self.shape))
         t = jr.t(key, df, (n, *self.shape), dtype)
-        return self.loc + jnp.exp(self.log_scale) * t
+        return self.loc[None] + jnp.exp(self.log_scale)[None] * t
 
     def describe(self) -> str:
         df = np.asarray(self.df, np.float64)
@@ -354,7 +360,7 @@ class _AbstractMixture(AbstractBase):
         chol = self.cholesky()
         out = jnp.zeros((n, *self.shape), dtype)
         for j in range(self.n_components):  # k is small: no (n, d, d) gather
-            x_j = self.means[j] + eps @ chol[j].T
+            x_j = self.means[j][None] + eps @ chol[j].T
             out = jnp.where((components == j)[:, None], x_j, out)
         return out
 
@@ -463,6 +469,7 @@ class StudentTMixture(_AbstractMixture):
     """
 
     df_raw: Float[Array, " k"]
+    heavy_tailed: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -6,13 +6,16 @@ solve raised on the host.
 after it; inside a caller's transformation they are inlined and raise by a runtime
 check instead."""
 
+import warnings
 from collections.abc import Callable
 
 import diffrax
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+from jaxtyping import Array
 
 from ..ode import SolveStats
 from ._inputs import tracing
@@ -46,19 +49,88 @@ def transform_program(flow, x, inverse, log_det, key, context):
     )[:3]
 
 
+# Rounds of drawing again the base draws beyond the solver's range (heavy-tailed bases
+# only): a Student-t with 1.5 degrees of freedom goes beyond float32's range once in
+# about 1e11 draws.
+_REDRAWS = 2
+
+
+def solver_range(dtype) -> float:
+    """The largest magnitude a base draw may have for the ODE solve: `1 / eps` of
+    the float (8.4e6 in float32, 4.5e15 in float64), beyond which neighbouring
+    floats are more than a unit apart. Much further out the solver's relative error
+    control cannot be met (a float32 batch with draws near 1e12 reaches its step
+    limit) and squares overflow."""
+    return float(1 / np.finfo(np.dtype(dtype)).eps)
+
+
+def base_draws(base, key, n: int, dtype) -> tuple[Array, Array, Array]:
+    """`(z, redrawn, left)`: `n` draws of `base` of `dtype` with those beyond
+    `solver_range` (or not finite: a heavy tail overflowing the float) drawn again,
+    up to `_REDRAWS` times, the number of draws that were, and the number still beyond
+    after that. A light-tailed base is drawn once (both counts 0)."""
+    z = base.sample(key, n, dtype=dtype)
+    if not base.heavy_tailed:
+        zero = jnp.zeros((), jnp.int32)
+        return z, zero, zero
+    limit = solver_range(dtype)
+
+    def beyond(z):
+        flat = jnp.abs(z.reshape(n, -1))
+        return ~jnp.all(flat <= limit, axis=1)  # NaN and inf count as beyond
+
+    bad = beyond(z)
+    redrawn = jnp.sum(bad, dtype=jnp.int32)
+    for r in range(_REDRAWS):
+        again = base.sample(jr.fold_in(key, r + 1), n, dtype=dtype)
+        z = jnp.where(bad.reshape((n,) + (1,) * (z.ndim - 1)), again, z)
+        bad = beyond(z)
+    return z, redrawn, jnp.sum(bad, dtype=jnp.int32)
+
+
 @_compiled
 def sample_program(flow, key, n, dtype, context, log_det):
+    """`(x, log_prob or None, stats, (redrawn, left))` of `n` samples."""
     if log_det:
         key, probe_key = jr.split(key)
     else:
         probe_key = None
-    z = flow.base.sample(key, n, dtype=dtype)
+    z, redrawn, left = base_draws(flow.base, key, n, dtype)
     x, ld, stats, _ = flow.transform(
         z, inverse=True, log_det=log_det, key=probe_key, context=context
     )
-    if not log_det:
-        return x, stats
-    return x, flow.base.log_prob(z) - ld, stats
+    logp = flow.base.log_prob(z) - ld if log_det else None
+    return x, logp, stats, (redrawn, left)
+
+
+def check_draws(out, counts, base, n: int, dtype):
+    """`out` after the base draws' counts `(redrawn, left)` are checked: draws left
+    beyond the solver's range raise a `ValueError` saying how many and why (inside a
+    caller's transformation, a runtime check); draws drawn again are reported in a
+    warning. Samples with a NaN or inf never reach the caller."""
+    redrawn, left = counts
+    limit = solver_range(dtype)
+    what = (
+        f"beyond the ODE solver's range for {np.dtype(dtype).name} (|z| > "
+        f"{limit:.3g}, where floats are more than a unit apart) under the base's "
+        f"heavy tails ({base.describe()})"
+    )
+    if tracing(counts):
+        return eqx.error_if(out, left > 0, f"draws of the base were {what}.")
+    redrawn, left = int(redrawn), int(left)
+    if left:
+        raise ValueError(
+            f"{left} of {n} draws of the base were {what}, even drawn again. Sample "
+            "in float64 (`dtype=jnp.float64`, with jax_enable_x64), or use a base "
+            "with more degrees of freedom."
+        )
+    if redrawn:
+        warnings.warn(
+            f"{redrawn} of {n} draws of the base were {what}; they were drawn again, "
+            "so these samples come from the flow with its base truncated there.",
+            stacklevel=4,
+        )
+    return out
 
 
 class SolverError(RuntimeError):

@@ -240,7 +240,7 @@ class RunConfig:
         "base distribution",
         legacy=False,
         shown="on with a fitted --base, off with the standard normal",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
     )
     solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
     rtol: float = _setting(
@@ -532,6 +532,16 @@ class RunConfig:
         )
 
     # ------------------------------------------------------------ config.json
+
+    @classmethod
+    def legacy_values(cls) -> dict[str, Any]:
+        """The value each stored setting had before it existed (what an older
+        `config.json` or checkpoint without it stands for)."""
+        return {
+            f.name: f.metadata["legacy"]
+            for f in dataclasses.fields(cls)
+            if f.metadata["stored"] and f.metadata["legacy"] is not _REQUIRED
+        }
 
     def compared(self) -> dict[str, Any]:
         """The stored settings that a resumed run and its checkpoints must share:

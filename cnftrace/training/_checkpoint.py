@@ -353,13 +353,16 @@ def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
     return header["step"], deserialise(payload, like, path)
 
 
-def _verified(path: str, like, config) -> tuple[dict, bytes]:
+def _verified(path: str, like, config, legacy=None) -> tuple[dict, bytes]:
     """`(header, payload)` of a checkpoint that fits `like` and `config`, checked
-    down to every array record's shape and dtype, but not deserialised."""
+    down to every array record's shape and dtype, but not deserialised. A key of
+    `legacy` missing from the checkpoint's config (a setting added since it was
+    written) stands for its value there."""
     header, payload = read_header(path)
     if config is not None:
         saved = header.get("config")
-        diffs = config_mismatch(saved if isinstance(saved, dict) else {}, config)
+        saved = {**(legacy or {}), **(saved if isinstance(saved, dict) else {})}
+        diffs = config_mismatch(saved, config)
         if diffs:
             raise _ConfigMismatch(
                 f"{path} was written by a run with another configuration:\n  "
@@ -375,14 +378,17 @@ def _verified(path: str, like, config) -> tuple[dict, bytes]:
     return header, payload
 
 
-def latest_good_checkpoint(directory: str, like, config=None, *, warn=print):
+def latest_good_checkpoint(
+    directory: str, like, config=None, *, warn=print, legacy=None
+):
     """The newest checkpoint in `directory` that loads cleanly, skipping (and
     reporting, with the reason) every one that does not. A config mismatch is not
-    skipped: it raises. Returns `(step, state, header)` or `None` when there is no
+    skipped: it raises (`legacy`: the values a checkpoint written before a setting
+    existed stands for). Returns `(step, state, header)` or `None` when there is no
     usable checkpoint."""
     for _, path in reversed(list_checkpoints(directory)):
         try:
-            header, payload = _verified(path, like, config)
+            header, payload = _verified(path, like, config, legacy)
             state = deserialise(payload, like, path)
         except _ConfigMismatch:
             raise

@@ -99,6 +99,9 @@ class Checkpoints(eqx.Module):
     - `keep`: how many of the newest checkpoints to keep.
     - `config`: a JSON-serialisable dict describing the run; a checkpoint written
         under another config is refused, naming the differences.
+    - `legacy`: for settings added to `config` since older checkpoints were
+        written, the value such a checkpoint stands for (the command line's
+        `legacy` values: an older run resumes as it began).
 
     !!! example
 
@@ -112,6 +115,7 @@ class Checkpoints(eqx.Module):
     every: int = 100
     keep: int = 3
     config: dict[str, Any] | None = None
+    legacy: dict[str, Any] | None = None
 
     def __check_init__(self):
         if not isinstance(self.directory, str):
@@ -357,7 +361,12 @@ class _Loop:
         params = _params(state.flow)
         like = (params, state.opt_state, key_to_data(self.key), params)
         like = jax.tree_util.tree_map(_local_copy, like)
-        found = latest_good_checkpoint(self.checkpoints.directory, like, self.config)
+        found = latest_good_checkpoint(
+            self.checkpoints.directory,
+            like,
+            self.config,
+            legacy=self.checkpoints.legacy,
+        )
         # Every process must resume from the same step, or they would deadlock.
         first_step = 0 if found is None else found[0]
         check_same_on_all_processes(first_step, "the checkpoint step to resume from")
