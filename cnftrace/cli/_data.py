@@ -17,6 +17,7 @@ from ..datasets import (
     DIRECTORY_DATASETS,
     FORMATS_SHOWN,
     MNIST_FILES,
+    SPREADSHEETS,
     TABULAR_DATASETS,
     TOY_DATASETS,
     UCI_DATASETS,
@@ -122,7 +123,8 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
     before anything is written; with `--drop-missing`, one line says how many rows
-    were dropped."""
+    were dropped, and what the reading notes (a first line of numbers alone, read as
+    data) goes to stderr, one line each."""
     data = config.data
     if _is_name(data):
         directory = None
@@ -200,7 +202,7 @@ HEADERS = {"auto": None, "yes": True, "no": False}
 
 def _spreadsheet(path: str) -> bool:
     """A spreadsheet's name, which `read_table` refuses saying to save it as CSV."""
-    return path.lower().endswith((".xlsx", ".xlsm", ".xls", ".ods", ".numbers"))
+    return path.lower().endswith(SPREADSHEETS)
 
 
 def _dropped_line(table) -> str:

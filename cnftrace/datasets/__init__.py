@@ -5,6 +5,7 @@ provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
 
 from ._files import (
     FORMATS_SHOWN as FORMATS_SHOWN,
+    SPREADSHEETS as SPREADSHEETS,
     TABLE_FORMATS as TABLE_FORMATS,
     Table as Table,
     data_format as data_format,
@@ -72,6 +73,7 @@ __all__ = [
     "DataSource",
     "FORMATS_SHOWN",
     "KnownDensity",
+    "SPREADSHEETS",
     "TABLE_FORMATS",
     "TABULAR_DATASETS",
     "Table",

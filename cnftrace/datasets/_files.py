@@ -50,7 +50,7 @@ FORMATS_SHOWN = (
     ".xz), or a .zip holding one of them"
 )
 _DELIMITERS = {".csv": ",", ".tsv": "\t"}
-_SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
+SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
 # The first bytes of the formats a data file may turn out to be, and the extension
 # that says so.
 _MAGIC = (
@@ -359,7 +359,7 @@ def _read_bytes(path: str) -> bytes:
             "directory (`--data NAME --data-dir DIR` on the command line)."
         )
     ext = os.path.splitext(path)[1].lower()
-    if ext in _SPREADSHEETS:
+    if ext in SPREADSHEETS:
         raise ValueError(
             f"{path} is a spreadsheet, which is not read: save it as CSV (in Excel: "
             "File > Save As > 'CSV UTF-8'), and give the .csv file."

@@ -352,7 +352,7 @@ def _parse_text(path, text, raw, delimiter, columns, drop_missing, header, bar):
             f"{path}: line {header_line} ({shown}) holds only numbers, so it is read "
             "as data, not as a header; if it names the columns, pass --header yes "
             "(`header=True` in Python), or --header no to say it is data.",
-            stacklevel=2,
+            stacklevel=5,  # the caller of `read_table`
         )
     if (
         columns is None

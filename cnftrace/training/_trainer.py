@@ -217,9 +217,11 @@ class Trainer(eqx.Module):
     def check_data(self, flow: AbstractFlow) -> None:
         """Checks the data against `flow` (shapes, dtypes, contexts), so that a
         mismatch fails here rather than inside the compiled step. A generator is
-        traced for the shapes and dtypes of a batch, not run (its values are
+        traced, not run, for the shapes and dtypes of a batch of `batch_size`
+        samples and for its batch's dependence on the key (one that does not
+        depend on it would give every step the same batch); its values are
         checked in every step: a batch with NaN or inf stops the step, and `check`
-        raises for it)."""
+        raises for it."""
         conditional = flow.context_dim is not None
         if isinstance(self.sample, _GeneratorSampler):
             what = "data(key, batch_size)"
@@ -250,7 +252,7 @@ class Trainer(eqx.Module):
             check_context(
                 c,
                 flow.context_dim,
-                2,
+                self.batch_size,
                 name=f"the context of {what}",
                 broadcast=False,
                 host=True,
