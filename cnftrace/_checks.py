@@ -6,6 +6,8 @@ integers: a JAX array there would become a tracer under `jit`. `bool` is a subcl
 """
 
 import math
+import os
+import re
 
 import equinox as eqx
 import jax
@@ -26,10 +28,39 @@ def is_number(value) -> bool:
     )
 
 
-def check_int(name: str, value, low: int = 1) -> None:
-    """A `ValueError` naming `name` unless `value` is an int `>= low`."""
+def check_int(name: str, value, low: int = 1) -> int:
+    """`value` as a Python `int`, or a `ValueError` naming `name` unless it is an
+    int `>= low`. A NumPy integer is accepted and converted: passed on as it is, it
+    would be an array to `jit` (a traced shape)."""
     if not is_int(value) or value < low:
         raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+    return int(value)
+
+
+# The one rule for which strings are numbers, in data files and on the command
+# line: ASCII digits with an optional sign, point and exponent, or inf, infinity and
+# nan in any case; blanks around them aside. Python's `float` also takes `1_010.25`,
+# full-width and other Unicode digits (`１２.５`), which a file or a flag holding them
+# surely did not mean as numbers; NumPy's parser takes none of them.
+_FLOAT = re.compile(
+    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)",
+    re.IGNORECASE,
+)
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_float(text: str) -> float | None:
+    """The number `text` spells by the strict rule above, or `None` where it spells
+    none (`"1_010.25"`, `"１２"`, `"0x1p3"`, `"12%"`)."""
+    text = text.strip()
+    return float(text) if _FLOAT.fullmatch(text) else None
+
+
+def parse_int(text: str) -> int | None:
+    """The integer `text` spells (ASCII digits, an optional sign, blanks around
+    them aside), or `None`."""
+    text = text.strip()
+    return int(text) if _INT.fullmatch(text) else None
 
 
 def check_key(name: str, key) -> None:
@@ -203,3 +234,44 @@ def check_samples(data, name: str, event_shape: tuple[int, ...] | None) -> Array
             f"{rows[0]}); remove or impute them before training."
         )
     return jnp.asarray(data)
+
+
+# XLA indexes an array's elements with 32-bit integers: a program making an array of
+# more elements aborts the process (`flow.sample(key, 2**30)` of a 2-D flow did).
+MAX_ELEMENTS = 2**31 - 1
+
+
+def memory_limit() -> tuple[int, str]:
+    """The bytes one device can hold, and what they are: the accelerator's memory
+    where JAX reports it, else the machine's."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} memory"
+    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * page, "this machine's memory"
+
+
+def check_solve_fits(name: str, n: int, event_size: int, dtype, fix: str) -> None:
+    """A `ValueError` naming `name` where one ODE solve over `n` samples of
+    `event_size` numbers cannot run: an array of more than `MAX_ELEMENTS` numbers
+    (XLA would abort the process), or more than the device's memory for the ten
+    arrays of that size a solve keeps at least (the state, the solver's stages,
+    the error estimate). `fix`: what to do instead."""
+    numbers = n * event_size
+    if numbers > MAX_ELEMENTS:
+        raise ValueError(
+            f"{name} = {n} samples of {event_size} numbers make arrays of {numbers} "
+            f"numbers, more than the {MAX_ELEMENTS} (2**31 - 1) an XLA program can "
+            f"index; {fix}."
+        )
+    need = 10 * numbers * jnp.dtype(dtype).itemsize
+    limit, what = memory_limit()
+    if need > limit:
+        raise ValueError(
+            f"{name} = {n} samples of {event_size} numbers cannot fit: a solve over "
+            f"them needs at least {need / 2**30:.3g} GiB, more than the "
+            f"{limit / 2**30:.3g} GiB of {what}; {fix}."
+        )

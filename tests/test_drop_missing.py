@@ -204,7 +204,9 @@ def test_nan_rows_of_an_npy_file(tmp_path):
     np.testing.assert_array_equal(table.data, np.delete(x, [5, 9, 30], axis=0))
     assert table.dropped == (3,) and table.first_dropped == ("row 5",)
     # Only the chosen columns count; a stacked file gets its own count.
-    table = read_table([path, path], columns=[1], drop_missing=True)
+    other = str(tmp_path / "more.npy")
+    np.save(other, x[::-1])
+    table = read_table([path, other], columns=[1], drop_missing=True)
     assert table.dropped == (1, 1) and table.rows == (39, 39)
     x[12, 1] = np.inf
     np.save(path, x)

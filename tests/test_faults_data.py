@@ -17,7 +17,7 @@ import pytest
 
 import cnftrace
 from cnftrace.cli import main
-from cnftrace.datasets import _files, read_table, split_table
+from cnftrace.datasets import _text, read_table, split_table
 
 TINY = ["--steps", "20", "--width", "8", "--depth", "1", "--batch-size", "32"]
 TINY += ["--rtol", "1e-3", "--atol", "1e-3", "--no-progress", "--objective", "fm"]
@@ -293,7 +293,7 @@ def test_8_progress_is_shown_for_big_files_only(tmp_path, capsys, monkeypatch):
     path = _csv(tmp_path / "big.csv", x, header="a,b,c")
     table = read_table(path)
     assert capsys.readouterr().err == ""  # a small file: quiet
-    monkeypatch.setattr(_files, "PROGRESS_BYTES", 1000)
+    monkeypatch.setattr(_text, "PROGRESS_BYTES", 1000)
     again = read_table(path)
     err = capsys.readouterr().err
     assert "big.csv" in err and "rows" in err

@@ -234,8 +234,9 @@ def test_files_with_different_columns_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="two.csv has 2 columns but .*one.csv has 3"):
         main(["train", "--data", one, two, "--run-dir", str(run), *TINY])
     assert not run.exists()
-    # Files with the same columns are stacked.
-    assert read_table([one, one]).data.shape == (2 * N_ROWS, 3)
+    # Files with the same columns are stacked (the same file twice is refused).
+    three = _write(tmp_path / "three.csv", _table()[::-1])
+    assert read_table([one, three]).data.shape == (2 * N_ROWS, 3)
 
 
 def test_a_changed_data_file_is_refused(csv_run, tmp_path):

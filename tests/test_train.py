@@ -147,10 +147,10 @@ def test_fit_refuses_bad_data_before_training(tmp_path):
             )  # fmt: skip
         assert not os.path.exists(ckpt)  # nothing was written
 
-    # A generator that turns bad after the up-front check stops the step before any
-    # update.
+    # A generator whose batches are bad stops the step before any update: the
+    # up-front check traces it (its shapes, its dependence on the key), never runs it.
     def turns_bad(k, n):
-        return jr.normal(k, (n, 2)) if n == 2 else jnp.full((n, 2), jnp.nan)
+        return jr.normal(k, (n, 2)) * jnp.nan
 
     with pytest.raises(Exception, match="NaN or inf"):
         cnftrace.fit(

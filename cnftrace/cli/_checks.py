@@ -7,9 +7,9 @@ Each failure is a `UsageError` whose message names the option and the accepted r
 import os
 import stat
 
-import jax
 import jax.numpy as jnp
 
+from .._checks import memory_limit
 from .._io import file_kind
 from ..runs import RunConfig
 
@@ -32,6 +32,12 @@ def check_args(args) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from None
         return
+    for name in ("run_dir", "out", "data_dir"):
+        value = getattr(args, name, None)
+        if value is not None and not value.strip():
+            flag = "RUN_DIR" if name == "run_dir" else f"--{name.replace('_', '-')}"
+            what = "a file name" if name == "out" else "a directory"
+            raise UsageError(f"{flag} is empty ({value!r}); give {what}.")
     n = getattr(args, "n", None)
     if n is not None:
         low = 2 if args.command == "eval" else 1  # a standard error needs two
@@ -41,7 +47,7 @@ def check_args(args) -> None:
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise UsageError(f"--seed must fit in 64 bits; got {seed}.")
     out = getattr(args, "out", None)
-    if out:
+    if out is not None:
         ext = os.path.splitext(out)[1].lower()
         if ext not in (".npy", ".csv", ".tsv"):
             raise UsageError(
@@ -82,19 +88,6 @@ def check_run_dir(path: str) -> None:
             f"--run-dir {path}: {ancestor} is a file, so the directory cannot be made "
             "there."
         )
-
-
-def memory_limit() -> tuple[int, str]:
-    """The bytes one device can hold, and what they are: the accelerator's memory
-    where JAX reports it, else the machine's."""
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # a backend without memory statistics
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"{jax.devices()[0].device_kind} memory"
-    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return pages * page, "this machine's memory"
 
 
 def check_model_fits_in_memory(config) -> None:

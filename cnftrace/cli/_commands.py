@@ -8,15 +8,22 @@ import stat
 import sys
 import warnings
 
+import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 
 from .. import training
-from .._checks import seed_key
+from .._checks import memory_limit, seed_key
 from .._io import atomic_write, file_kind
 from ..datasets import DataSource, digits_from_logit, toy_entropy
 from ..runs import LoadedRun, load_run
 from ..training import evaluate_nll
-from ._checks import CommandFailed, check_fits_in_memory, nearest_existing
+from ._checks import (
+    CommandFailed,
+    UsageError,
+    check_fits_in_memory,
+    nearest_existing,
+)
 from ._data import eval_size, list_datasets, run_source, score_report, write_samples
 
 
@@ -76,6 +83,12 @@ def cmd_eval(args) -> int:
     _check_writable(args.run_dir, eval_json, "evaluate a copy of the run")
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
+    if source.kind in ("tabular", "file") and args.seed != EVAL_SEED:
+        raise UsageError(
+            f"--seed {args.seed} does nothing here: it draws the test samples of a "
+            "toy set and the dequantisation noise of images, and the test split of "
+            f"{source.name} is fixed (by the run's --split-seed); drop it."
+        )
     n = eval_size(source, args.n)
     check_fits_in_memory("--n", n, source.dim)
     test = source.test(args.seed, n)
@@ -99,13 +112,18 @@ def cmd_eval(args) -> int:
     if "entropy" in result:
         result["gap"] = nll.mean - result["entropy"]
         line += f"; entropy {result['entropy']:.4f}; gap {result['gap']:.4f}"
+    undefined = result.get("gaussian_baseline_undefined")
     if "gaussian_baseline_nll" in result:
-        line += f"; full-covariance Gaussian {result['gaussian_baseline_nll']:.4f}"
-    if "bits_per_dim" in result:
-        line += (
-            f"; {result['bits_per_dim']:.4f} bits/dim (Gaussian baseline "
-            f"{result['gaussian_baseline_bits_per_dim']:.4f})"
+        baseline = result["gaussian_baseline_nll"]
+        line += "; full-covariance Gaussian " + (
+            undefined if baseline is None else f"{baseline:.4f}"
         )
+    if "bits_per_dim" in result:
+        baseline = result.get("gaussian_baseline_bits_per_dim")
+        shown = undefined if baseline is None else f"{baseline:.4f}"
+        line += f"; {result['bits_per_dim']:.4f} bits/dim"
+        if "gaussian_baseline_bits_per_dim" in result:
+            line += f" (Gaussian baseline {shown})"
     print(line + f"; NFE {nll.nfe:.0f}")
     atomic_write(eval_json, json.dumps(result, indent=2).encode())
     return 0
@@ -116,12 +134,13 @@ def cmd_sample(args) -> int:
     _check_writable(args.run_dir, out, "pass --out a file in a writable directory")
     run, source = _load(args.run_dir, need_data=False)
     config, flow = run.config, run.flow
-    check_fits_in_memory("--n", args.n, math.prod(flow.event_shape))
-    if run.transform is None:
-        x = np.asarray(flow.sample(seed_key(args.seed), args.n))
-    else:  # the standardised flow's samples, mapped to the data's units in float64
-        y = flow.flow.sample(seed_key(args.seed), args.n)
-        x = run.transform.inverse(np.asarray(y))
+    dim = math.prod(flow.event_shape)
+    rows = sample_chunk(dim)
+    check_sample_fits(args.n, rows, dim, config.width, config.blocks, out)
+    inner = flow if run.transform is None else flow.flow
+    y = draw_samples(inner, seed_key(args.seed), args.n, rows)
+    # The standardised flow's samples, mapped to the data's units in float64.
+    x = y if run.transform is None else run.transform.inverse(y)
     if source is not None and source.kind == "images":
         # Pixel intensities in [0, 1].
         x = digits_from_logit(x).reshape(args.n, *source.image_shape)
@@ -129,6 +148,60 @@ def cmd_sample(args) -> int:
     write_samples(out, x, names)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
+
+
+# The seed `eval` draws its test samples with, unless --seed says otherwise.
+EVAL_SEED = 12345
+# `sample` draws at most this many numbers (rows times the dimension) per solve.
+SAMPLE_CHUNK_NUMBERS = 2**21
+
+
+def sample_chunk(dim: int) -> int:
+    """The rows of one solve of `cnftrace sample`: `SAMPLE_CHUNK_NUMBERS // dim`
+    (at least one), which depends on the dimension alone, never on the machine, so
+    that a seed and `--n` give the same samples everywhere."""
+    return max(1, SAMPLE_CHUNK_NUMBERS // dim)
+
+
+def draw_samples(flow, key, n: int, rows: int) -> np.ndarray:
+    """`n` samples of `flow` on the host, `rows` per solve. Up to `rows` samples are
+    `flow.sample(key, n)`, as they always were; more are drawn as solves of `rows`
+    samples each, the i-th from `jax.random.fold_in(key, i)` (the last one's extra
+    samples dropped), so the device holds one solve's buffers at a time and every
+    solve is one compiled program. A solve's adaptive steps are shared by its
+    samples, so the samples depend on `rows` as well as the key: `rows` is fixed by
+    the dimension (`sample_chunk`)."""
+    if n <= rows:
+        return np.asarray(flow.sample(key, n))
+    parts = [
+        np.asarray(flow.sample(jr.fold_in(key, i), rows)) for i in range(-(-n // rows))
+    ]
+    return np.concatenate(parts)[:n]
+
+
+def check_sample_fits(n, rows, dim, width, blocks, out) -> None:
+    """A `UsageError` where `sample --n N` cannot fit: one solve of `rows` samples
+    on the device, whose buffers take about `6 * width + 12 * dim` numbers a sample
+    (the field's hidden layers, the state, the solver's stages; measured at 1.6 kB a
+    sample for width 64 in 2-D, float32), and the `n` samples on the host (24 bytes
+    a number: the samples, in float64, and their copy; a text file's 25 bytes per
+    number besides)."""
+    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
+    device = min(n, rows) * (6 * width * blocks + 12 * dim) * itemsize
+    host = n * dim * (24 + (25 if not out.lower().endswith(".npy") else 0))
+    for need, (limit, what) in ((device, memory_limit()), (host, _host_memory())):
+        if need > limit:
+            raise UsageError(
+                f"--n {n} cannot fit: {n} samples of dimension {dim} need at least "
+                f"{need / 2**30:.3g} GiB, more than the {limit / 2**30:.3g} GiB of "
+                f"{what}. Use a smaller --n (several runs of `sample` with other "
+                "--seed values give more)."
+            )
+
+
+def _host_memory() -> tuple[int, str]:
+    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * page, "this machine's memory"
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -2,9 +2,12 @@
 `--data-dir`, or the user's files), the figures reported beside a test NLL, the list
 of `cnftrace datasets`, and samples written to a file."""
 
+import dataclasses
 import difflib
 import io
 import os
+import sys
+import warnings
 
 import numpy as np
 
@@ -12,8 +15,9 @@ from .._io import atomic_write
 from ..datasets import (
     ALL_DATASETS,
     DIRECTORY_DATASETS,
+    FORMATS_SHOWN,
     MNIST_FILES,
-    TABLE_FORMATS,
+    SPREADSHEETS,
     TABULAR_DATASETS,
     TOY_DATASETS,
     UCI_DATASETS,
@@ -21,6 +25,7 @@ from ..datasets import (
     UCI_FILES,
     DataSource,
     bits_per_dim,
+    data_format,
     data_source,
     file_sha256,
     file_source,
@@ -43,16 +48,30 @@ def score_report(source: DataSource, nll_y: float, seed: int, n: int) -> dict:
     if source.kind == "toy":
         return {"entropy": toy_entropy(source.name)}
     test = source.test(seed, n)
-    if source.kind in ("tabular", "file"):
-        return {"gaussian_baseline_nll": gaussian_baseline_nll(source.reference, test)}
-    mean_ld = float(np.mean(source.test_log_det(seed, n)))
-    report = {"bits_per_dim": bits_per_dim(nll_y - mean_ld, source.dim, source.levels)}
-    if source.reference is not None:
-        # The same dequantised test set the flow was scored on.
-        baseline_y = gaussian_baseline_nll(source.reference, test)
-        report["gaussian_baseline_bits_per_dim"] = bits_per_dim(
-            baseline_y - mean_ld, source.dim, source.levels
+    try:
+        baseline = (
+            None
+            if source.reference is None
+            else gaussian_baseline_nll(source.reference, test)
         )
+        undefined = None
+    except ValueError as e:  # a singular covariance: no baseline, and it is said
+        baseline, undefined = None, str(e)
+    if source.kind in ("tabular", "file"):
+        report = {"gaussian_baseline_nll": baseline}
+    else:
+        mean_ld = float(np.mean(source.test_log_det(seed, n)))
+        levels = source.levels
+        report = {"bits_per_dim": bits_per_dim(nll_y - mean_ld, source.dim, levels)}
+        if source.reference is not None:
+            # The same dequantised test set the flow was scored on.
+            report["gaussian_baseline_bits_per_dim"] = (
+                None
+                if baseline is None
+                else bits_per_dim(baseline - mean_ld, source.dim, levels)
+            )
+    if undefined is not None:
+        report["gaussian_baseline_undefined"] = undefined
     return report
 
 
@@ -69,18 +88,16 @@ def _data_error(data) -> UsageError:
         f"--data {shown}: not a data set name nor a data file.{hint} Give one of "
         f"{', '.join(names)} (the last six with "
         f"--data-dir DIR; `cnftrace datasets` lists them), or the path of a file "
-        f"ending in {', '.join(TABLE_FORMATS)}."
+        f"ending in {FORMATS_SHOWN}."
     )
 
 
 def _directory_error(path: str) -> UsageError:
-    found = sorted(
-        f for f in os.listdir(path) if os.path.splitext(f)[1].lower() in TABLE_FORMATS
-    )
+    found = sorted(f for f in os.listdir(path) if data_format(f) is not None)
     holds = f" (it holds {', '.join(found[:3])}{', ...' if found[3:] else ''})"
     return UsageError(
         f"--data {path} is a directory{holds if found else ''}: give a data file "
-        f"(ending in {', '.join(TABLE_FORMATS)}), or several; for MAF's UCI sets and "
+        f"(ending in {FORMATS_SHOWN}), or several; for MAF's UCI sets and "
         f"MNIST, the set's name with the directory: --data NAME --data-dir {path}."
     )
 
@@ -106,7 +123,8 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
     before anything is written; with `--drop-missing`, one line says how many rows
-    were dropped."""
+    were dropped, and what the reading notes (a first line of numbers alone, read as
+    data) goes to stderr, one line each."""
     data = config.data
     if _is_name(data):
         directory = None
@@ -121,28 +139,44 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         return source, {"data": data, "data_file": None, "data_dir": directory}
     paths = [data] if isinstance(data, str) else list(data)
     for path in paths:
+        if path == "-":
+            raise UsageError(
+                "--data - (standard input) cannot be read: a run reads its data file "
+                "again for `eval` and `plot`, pinned by its SHA-256. Save the data to "
+                "a file (e.g. `... > data.csv`) and give --data data.csv."
+            )
         if os.path.isdir(path):
             raise _directory_error(path)
-        if os.path.splitext(path)[1].lower() not in TABLE_FORMATS:
+        if data_format(path) is None and not _spreadsheet(path):
             raise _data_error(data)
     paths = [os.path.abspath(p) for p in paths]
-    source = file_source(
-        paths,
-        columns=config.columns,
-        array=config.array,
-        val_fraction=config.val_fraction,
-        test_fraction=config.test_fraction,
-        seed=config.split_seed,
-        standardize=not config.no_standardize,
-        drop_missing=config.drop_missing,
-    )
+    # Stripped of blanks, as they were resolved (`--columns 'x, y'`): the names
+    # stored are the ones `eval` and `plot` find again.
+    columns = None
+    if config.columns is not None:
+        columns = [c.strip() for c in config.columns.split(",")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source = file_source(
+            paths,
+            columns=columns,
+            array=config.array,
+            val_fraction=config.val_fraction,
+            test_fraction=config.test_fraction,
+            seed=config.split_seed,
+            standardize=not config.no_standardize,
+            drop_missing=config.drop_missing,
+            header=HEADERS[config.header],
+        )
+    for w in caught:  # what the reading noted (a first line of numbers, say)
+        print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
     std = source.standardization
     table = source.table
     data_file = {
         "paths": paths,
         "sha256": list(table.sha256),
         "rows": list(table.rows),
-        "columns": None if config.columns is None else config.columns.split(","),
+        "columns": columns,
         "names": None if table.names is None else list(table.names),
         "array": config.array,
         "val_fraction": config.val_fraction,
@@ -152,12 +186,23 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         "mean": None if std is None else np.asarray(std.mean).tolist(),
         "scale": None if std is None else np.asarray(std.scale).tolist(),
     }
+    if HEADERS[config.header] is not None:  # a run without it pins its file as before
+        data_file["header"] = HEADERS[config.header]
     if config.drop_missing:  # a run without it pins its file as before
         data_file["drop_missing"] = True
         data_file["dropped_rows"] = list(table.dropped)
         print(_dropped_line(table), flush=True)
     shown = paths[0] if len(paths) == 1 else tuple(paths)
     return source, {"data": shown, "data_file": data_file, "data_dir": None}
+
+
+# `--header` as `read_table`'s `header`.
+HEADERS = {"auto": None, "yes": True, "no": False}
+
+
+def _spreadsheet(path: str) -> bool:
+    """A spreadsheet's name, which `read_table` refuses saying to save it as CSV."""
+    return path.lower().endswith(SPREADSHEETS)
 
 
 def _dropped_line(table) -> str:
@@ -185,8 +230,8 @@ def _dropped_line(table) -> str:
 # standardisation, besides the files' bytes (`changed_files`); a record without
 # `drop_missing` (a run trained without it) has it off.
 _DATA_SETTINGS = ("columns", "array", "val_fraction", "test_fraction", "split_seed")
-_DATA_SETTINGS += ("standardize", "drop_missing")
-_DATA_LEGACY = {"drop_missing": False}
+_DATA_SETTINGS += ("standardize", "drop_missing", "header")
+_DATA_LEGACY = {"drop_missing": False, "header": None}
 
 
 def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
@@ -199,11 +244,34 @@ def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
     changed = []
     for name in _DATA_SETTINGS:
         default = _DATA_LEGACY.get(name)
-        there = old.data_file.get(name, default)
-        now = new.data_file.get(name, default)
+        there = _pinned(old.data_file, name, default)
+        now = _pinned(new.data_file, name, default)
         if not same_value(there, now):
             changed.append(f"{name}: {there!r} there, {now!r} now")
     return changed
+
+
+def _pinned(data_file: dict, name: str, default):
+    """A setting of a data file's record; the column names stripped of blanks (a
+    run before that stored `--columns 'x, y'` as `["x", " y"]`)."""
+    value = data_file.get(name, default)
+    if name == "columns" and value is not None:
+        value = [c.strip() if isinstance(c, str) else c for c in value]
+    return value
+
+
+def as_pinned(config: RunConfig, old: RunConfig | None) -> RunConfig:
+    """`config` with the column names as the run already in its directory (`old`)
+    stored them, where they are the same names: a run that stored `--columns 'x, y'`
+    as `["x", " y"]` resumes, its checkpoints holding that record."""
+    if old is None or old.data_file is None or config.data_file is None:
+        return config
+    there = old.data_file.get("columns")
+    if there is None or _pinned(old.data_file, "columns", None) != _pinned(
+        config.data_file, "columns", None
+    ):
+        return config
+    return dataclasses.replace(config, data_file={**config.data_file, "columns": there})
 
 
 def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
@@ -230,23 +298,35 @@ def run_source(config: RunConfig) -> DataSource:
                 f"the run's data file {path} is gone; put it back to evaluate or plot "
                 "the run (`cnftrace sample` and `cnftrace.load` work without it)."
             )
-        now = file_sha256(path)
-        if now != sha:
-            raise CommandFailed(
-                f"the run's data file {path} has changed since training (SHA-256 "
-                f"{sha[:12]}... then, {now[:12]}... now), so its test split would not "
-                "be the run's. Restore the file, or train a new run on it."
-            )
-    return file_source(
-        data_file["paths"],
-        columns=data_file["columns"],
-        array=data_file["array"],
-        val_fraction=data_file["val_fraction"],
-        test_fraction=data_file["test_fraction"],
-        seed=data_file["split_seed"],
-        standardize=data_file["standardize"],
-        drop_missing=data_file.get("drop_missing", False),  # runs before it: False
-    )
+        _check_unchanged(path, sha, file_sha256(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what reading it notes was said in training
+        source = file_source(
+            data_file["paths"],
+            columns=_pinned(data_file, "columns", None),
+            array=data_file["array"],
+            val_fraction=data_file["val_fraction"],
+            test_fraction=data_file["test_fraction"],
+            seed=data_file["split_seed"],
+            standardize=data_file["standardize"],
+            drop_missing=data_file.get("drop_missing", False),  # runs before: False
+            header=data_file.get("header"),
+        )
+    # The bytes read are the ones trained on (the file may change in between).
+    for path, sha, now in zip(
+        data_file["paths"], data_file["sha256"], source.table.sha256
+    ):
+        _check_unchanged(path, sha, now)
+    return source
+
+
+def _check_unchanged(path: str, sha: str, now: str) -> None:
+    if now != sha:
+        raise CommandFailed(
+            f"the run's data file {path} has changed since training (SHA-256 "
+            f"{sha[:12]}... then, {now[:12]}... now), so its test split would not "
+            "be the run's. Restore the file, or train a new run on it."
+        )
 
 
 def write_samples(path: str, x: np.ndarray, names=None) -> None:

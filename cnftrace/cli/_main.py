@@ -6,10 +6,11 @@ import warnings
 
 import jax.numpy as jnp
 
-from ..runs import RunConfig
+from ..flows import SolverError
+from ..runs import RunConfig, integer_argument
 from ..training import CheckpointError, TrainingError, enable_compilation_cache
 from ._checks import CommandFailed, UsageError, check_args
-from ._commands import cmd_datasets, cmd_eval, cmd_plot, cmd_sample
+from ._commands import EVAL_SEED, cmd_datasets, cmd_eval, cmd_plot, cmd_sample
 from ._train import cmd_train, initialize_distributed
 
 
@@ -62,20 +63,26 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument(
         "--n",
-        type=int,
+        type=integer_argument,
         help="test samples: for a data file or a table, the first N rows of its "
         "fixed test split (default: all of them); for a toy set, N drawn; for MNIST, "
         "its first N test images (default: 5000)",
     )
     p.add_argument(
-        "--seed", type=int, default=12345, help="seed of the test set (default: 12345)"
+        "--seed",
+        type=integer_argument,
+        default=EVAL_SEED,
+        help="seed of a toy set's test samples and of images' dequantisation noise; "
+        f"a table's test split is fixed (default: {EVAL_SEED})",
     )
     p.set_defaults(func=cmd_eval)
 
     p = add_parser("sample", "draw samples from a trained run (.npy or .csv)")
     p.add_argument("run_dir")
-    p.add_argument("--n", type=int, default=1000, help="samples (default: 1000)")
-    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    p.add_argument(
+        "--n", type=integer_argument, default=1000, help="samples (default: 1000)"
+    )
+    p.add_argument("--seed", type=integer_argument, default=0, help="seed (default: 0)")
     p.add_argument(
         "--out",
         help="output file, .npy, .csv or .tsv by its extension (default "
@@ -85,7 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = add_parser("plot", "density, samples and training curves (PNG)")
     p.add_argument("run_dir")
-    p.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    p.add_argument("--seed", type=integer_argument, default=0, help="seed (default: 0)")
     p.set_defaults(func=cmd_plot)
 
     p = add_parser("datasets", "list the data sets, with --data-dir those there")
@@ -108,7 +115,8 @@ def _failure(e: BaseException) -> tuple[int, str]:
         return 2, _one_line(str(e))
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted; what was checkpointed is kept."
-    expected = (CommandFailed, CheckpointError, TrainingError, ValueError, TypeError)
+    expected = (CommandFailed, CheckpointError, TrainingError, SolverError)
+    expected += (ValueError, TypeError)
     if isinstance(e, expected):
         return 1, _one_line(str(e))
     if isinstance(e, OSError):

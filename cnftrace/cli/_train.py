@@ -43,7 +43,7 @@ from ._checks import (
     check_probes_fit_in_memory,
     check_run_dir,
 )
-from ._data import changed_data_settings, changed_files, training_source
+from ._data import as_pinned, changed_data_settings, changed_files, training_source
 
 
 def cmd_train(args) -> int:
@@ -52,10 +52,10 @@ def cmd_train(args) -> int:
     mesh = _training_mesh(config)
     # Every data file is read and checked here, before anything is written.
     source, pinned = training_source(config)
-    config = dataclasses.replace(config, **pinned)
+    existing = _existing_run(config.run_dir)
+    config = as_pinned(dataclasses.replace(config, **pinned), existing)
     # What the default recipe leaves to the data: its dimension and training rows.
     rows = None if source.reference is None else int(source.reference.shape[0])
-    existing = _existing_run(config.run_dir)
     config = config.for_data(source.dim, rows, existing)
     base, config = _fitted_base(config, source, existing)
     if config.recipe is not None:
@@ -78,9 +78,8 @@ def cmd_train(args) -> int:
     with lock:
         _write_config(config)
         history, start = _train(config, source, flow, settings)
-    done = history["step"][-1] if history["step"] else config.steps
+    done, loss = _last_step(config, history)
     stopped = "" if done >= config.steps else f" (stopped early, of {config.steps})"
-    loss = f"final loss {history['loss'][-1]:.4f}"
     if start is None:
         print(f"{config.run_dir} had already trained {done} steps{stopped}; {loss}")
     else:
@@ -185,6 +184,7 @@ def _write_config(config: RunConfig) -> None:
             raise UsageError(
                 f"{run_dir} holds a run with other settings ({', '.join(diffs)}). "
                 "Use another --run-dir, or the same settings to resume."
+                + _other_steps(old, config)
             )
     atomic_write(path, json.dumps(config.stored(), indent=2).encode())
 
@@ -269,3 +269,29 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
     finally:
         metrics.close()
     return history, start
+
+
+def _other_steps(old: RunConfig, new: RunConfig) -> str:
+    """Why `--steps` cannot change on a run, and what trains it for longer."""
+    if old.steps == new.steps:
+        return ""
+    return (
+        " --steps is part of a run: its learning rate follows a cosine schedule "
+        f"over all of its {old.steps} steps, so a run of {new.steps} steps follows "
+        "another schedule from its first step, and this run cannot be continued "
+        f"into it exactly. To train {new.steps} steps, run this command with a new "
+        f"--run-dir (e.g. --run-dir {new.run_dir.rstrip(os.sep)}-{new.steps})."
+    )
+
+
+def _last_step(config: RunConfig, history: dict) -> tuple[int, str]:
+    """The last step trained and the words for its loss: from `fit`'s history, or,
+    where that is gone (checkpoints/history.jsonl deleted), from metrics.jsonl."""
+    if history["step"]:
+        return history["step"][-1], f"final loss {history['loss'][-1]:.4f}"
+    path = os.path.join(config.run_dir, "metrics.jsonl")
+    records = training.read_records(path, needed=("step", "loss"), warn=lambda m: None)
+    if records:
+        last = max(records, key=lambda r: r["step"])
+        return last["step"], f"final loss {last['loss']:.4f} (from metrics.jsonl)"
+    return config.steps, "no final loss: the run's history files are gone"

@@ -1,11 +1,14 @@
 """Data sets: FFJORD's eight toy 2-D distributions, densities known exactly in any
 dimension, scikit-learn's bundled data, MAF's UCI sets and MNIST from files you
 provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
-`.parquet`)."""
+`.parquet`; compressed, or in a `.zip`)."""
 
 from ._files import (
+    FORMATS_SHOWN as FORMATS_SHOWN,
+    SPREADSHEETS as SPREADSHEETS,
     TABLE_FORMATS as TABLE_FORMATS,
     Table as Table,
+    data_format as data_format,
     file_sha256 as file_sha256,
     read_table as read_table,
     split_table as split_table,
@@ -68,7 +71,9 @@ __all__ = [
     "MNIST_FILES",
     "MNIST_LEVELS",
     "DataSource",
+    "FORMATS_SHOWN",
     "KnownDensity",
+    "SPREADSHEETS",
     "TABLE_FORMATS",
     "TABULAR_DATASETS",
     "Table",
@@ -78,6 +83,7 @@ __all__ = [
     "UCI_FILES",
     "Splits",
     "bits_per_dim",
+    "data_format",
     "data_source",
     "dequantize",
     "digits_from_logit",

@@ -1,15 +1,18 @@
 """A user's own table of samples, read from files: `.npy`, `.npz` (a named array),
-`.csv`/`.tsv` (numeric columns, an optional header line) and, where pandas has a
-Parquet engine (pyarrow or fastparquet), `.parquet`.
+`.csv`/`.tsv` (numeric columns, an optional header line; see `_text`) and, where
+pandas has a Parquet engine (pyarrow or fastparquet), `.parquet`; `.csv`, `.tsv` and
+`.npy` also compressed (`.gz`, `.bz2`, `.xz`), and a `.zip` holding one table.
 
 Everything is checked before anything trains, and every error names the file, the
 row or column, and the fix: an empty file, text in a numeric column, a line with the
 wrong number of fields, a header line repeated further down (files concatenated with
 their headers), NaN or inf, a dimension that changes between files, a text file not
 in UTF-8, lines that look separated by another character than the extension says
-(`;` or tabs in a .csv, commas in a .tsv). Rows are counted from 0 (as NumPy indexes
-them); the lines of a text file from 1 (as an editor shows them); columns from 0,
-with their header names where there are some.
+(`;` or tabs in a .csv, commas in a .tsv), a file whose bytes are of another format
+than its name says (a CSV named `.npy`, a gzip file named `.csv`), a spreadsheet,
+the same file (or the same bytes) given twice. Rows are counted from 0 (as NumPy
+indexes them); the lines of a text file from 1 (as an editor shows them); columns
+from 0, with their header names where there are some.
 
 A missing value (a cell of a text file that is empty or reads NA, N/A, #N/A, <NA>,
 NaN, null, None or ?, in any case, blanks around it aside; NaN in an array or a
@@ -17,37 +20,49 @@ Parquet file, and Parquet's nulls) is refused like any other problem, unless
 `drop_missing` asks for the rows holding one in the chosen columns to be dropped.
 inf is not missing: it is refused either way.
 
-Text files are read as UTF-8, a byte-order mark (Excel's "CSV UTF-8") dropped. NumPy's
-C parser reads them where every row is numbers; otherwise, and to name any problem,
-a checking parser, line by line. Files of `PROGRESS_BYTES` or more show the progress
-of their parsing on stderr.
+Each file is read once, as bytes: its SHA-256 (what pins a run's data) is that of the
+bytes parsed, those of the file itself for a compressed one.
 """
 
-import csv
+import bz2
+import gzip
 import hashlib
 import io
+import lzma
 import math
 import os
-import sys
-import warnings
+import zipfile
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from ._real import Splits
+from ._text import DROP, column_name, read_text, resolve_columns
 
 TABLE_FORMATS = (".csv", ".tsv", ".npy", ".npz", ".parquet")
+# Compressions of a .csv, .tsv or .npy (`points.csv.gz`), read as the inner file.
+COMPRESSIONS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+_COMPRESSIBLE = (".csv", ".tsv", ".npy")
+# What the messages list.
+FORMATS_SHOWN = (
+    ".csv, .tsv, .npy, .npz, .parquet (.csv, .tsv and .npy also as .gz, .bz2 or "
+    ".xz), or a .zip holding one of them"
+)
 _DELIMITERS = {".csv": ",", ".tsv": "\t"}
-# Text files of at least this many bytes show the progress of their parsing on
-# stderr (2 million rows of three numbers take about 120 MB, and 2 s to parse).
-PROGRESS_BYTES = 32 * 2**20
-_PROGRESS_EVERY = 2**16  # rows between updates of the progress bar
-# What a missing value reads in a text file, once stripped and lower-cased.
-_MISSING = frozenset(("", "na", "n/a", "#n/a", "<na>", "nan", "null", "none", "?"))
-_DROP = "drop the rows with missing values (`--drop-missing`; `drop_missing=True` "
-_DROP += "in Python)"
+SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
+# The first bytes of the formats a data file may turn out to be, and the extension
+# that says so.
+_MAGIC = (
+    (b"\x1f\x8b", "gzip-compressed", ".gz"),
+    (b"BZh", "bzip2-compressed", ".bz2"),
+    (b"\xfd7zXZ\x00", "xz-compressed", ".xz"),
+    (b"PK\x03\x04", "a zip archive", ".zip"),
+    (b"PK\x05\x06", "an empty zip archive", ".zip"),
+    (b"\x93NUMPY", "a NumPy array file", ".npy"),
+    (b"PAR1", "a Parquet file", ".parquet"),
+    (b"\xd0\xcf\x11\xe0", "an old-format Office file (Excel's .xls?)", ".xls"),
+)
 
 
 class Table(NamedTuple):
@@ -84,250 +99,6 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _is_number(field: str) -> bool:
-    try:
-        float(field)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_missing(field: str) -> bool:
-    """Whether a stripped field of a text file is a missing value."""
-    return field.lower() in _MISSING or (_is_number(field) and math.isnan(float(field)))
-
-
-def _column(j: int, names) -> str:
-    return f"column {j} ({names[j]!r})" if names else f"column {j}"
-
-
-def _decode(path: str, raw: bytes) -> str:
-    """The text of a file's bytes, read as UTF-8 (a byte-order mark dropped), or a
-    `ValueError` naming the line and column of the first byte that is not."""
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        at = e.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)
-        line = raw.count(b"\n", 0, at) + 1
-        start = raw.rfind(b"\n", 0, at) + 1
-        column = len(raw[start:at].decode("utf-8-sig")) + 1  # in characters
-        raise ValueError(
-            f"{path}, line {line}, column {column}: byte 0x{raw[at]:02x} is not "
-            "UTF-8 text, so the file was saved in another encoding (Latin-1 or "
-            "Windows-1252, perhaps). Save it as UTF-8 (Excel: 'CSV UTF-8'), or "
-            f"convert it, e.g. `iconv -f latin1 -t utf-8 {path}`."
-        ) from None
-
-
-def _delimiter_hint(text: str, delimiter: str) -> str | None:
-    """What to do where the lines of a text file look separated by another
-    character than its extension says: `;` or tabs in a .csv, commas in a .tsv."""
-    lines = [line for line in text[: 2**20].splitlines()[:1000] if line.strip()]
-    semicolons = (
-        ";",
-        "';'",
-        "convert the semicolons to commas (and any decimal commas to points), or "
-        "save it as 'CSV (comma delimited)'",
-    )
-    if delimiter == ",":
-        candidates = (semicolons, ("\t", "tabs", "rename it to .tsv"))
-    else:
-        candidates = ((",", "commas", "rename it to .csv"),)
-    for sep, shown, fix in candidates:
-        if not lines or not all(sep in line for line in lines):
-            continue
-        alone = not any(delimiter in line for line in lines)
-        # Semicolons beside commas: decimal commas, if every line has as many.
-        if alone or (sep == ";" and len({line.count(sep) for line in lines}) == 1):
-            other = "commas" if delimiter == "," else "tabs"
-            return f"The file looks separated by {shown}, not {other}: {fix}."
-    return None
-
-
-def _progress(path: str, size: int, text: str):
-    """A progress bar of the rows parsed, on stderr, for a file of at least
-    `PROGRESS_BYTES` bytes; `None` for smaller files."""
-    if size < PROGRESS_BYTES:
-        return None
-    return tqdm(
-        total=text.count("\n") + 1,
-        desc=f"reading {os.path.basename(path)}",
-        unit=" rows",
-        unit_scale=True,
-        file=sys.stderr,
-        leave=False,
-    )
-
-
-def _counted(lines, bar):
-    """`lines`, counted on `bar` every `_PROGRESS_EVERY` of them."""
-    if bar is None:
-        yield from lines
-        return
-    for i, line in enumerate(lines, 1):
-        if i % _PROGRESS_EVERY == 0:
-            bar.update(_PROGRESS_EVERY)
-        yield line
-
-
-def _same_widths(raw: bytes, delimiter: str, skip: int, width: int) -> bool:
-    """Whether every line after the first `skip` of a file without quotes holds
-    `width` fields (blank lines aside): counted on the bytes, where no byte of a
-    multi-byte UTF-8 character is a delimiter or a newline."""
-    if b'"' in raw:
-        return False
-    b = np.frombuffer(raw, np.uint8)
-    starts = np.r_[0, np.flatnonzero(b == ord("\n")) + 1]
-    starts = starts[starts < b.size][skip:]
-    if starts.size == 0:
-        return False
-    bounds = np.r_[starts, b.size]
-    seps = np.diff(np.searchsorted(np.flatnonzero(b == ord(delimiter)), bounds))
-    lengths = np.diff(bounds)
-    blank = lengths <= 2  # "\n", "\r\n" or nothing (the last line)
-    blank &= np.isin(b[starts], (ord("\n"), ord("\r")))
-    return bool(np.all(seps[~blank] == width - 1))
-
-
-def _read_fast(
-    text: str, raw: bytes, delimiter: str, skip: int, width: int, picked: list[int], bar
-):
-    """The `picked` columns of every row after the first `skip` lines, parsed by
-    NumPy's C parser; `None` where a row is not `width` fields split by `delimiter`
-    alone, or a picked field is not a finite number (quotes, text, a missing
-    field, a line of blanks, NaN): the checking parser then reads the file and
-    names the problem. It accepts less than that parser, never more, and reads
-    the same values, four to five times faster."""
-    if text.count("\r") != text.count("\r\n"):
-        return None  # a lone carriage return: the csv module's business
-    usecols = None
-    if picked != list(range(width)):  # the others may hold text: count fields
-        if not _same_widths(raw, delimiter, skip, width):
-            return None
-        usecols = picked
-    lines = io.StringIO(text)
-    for _ in range(skip):
-        next(lines, None)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "input contained no data"
-            data = np.loadtxt(
-                _counted(lines, bar),
-                delimiter=delimiter,
-                comments=None,
-                usecols=usecols,
-                ndmin=2,
-                dtype=np.float64,
-            )
-    except ValueError:
-        return None
-    if data.shape[0] == 0 or data.shape[1] != len(picked):
-        return None
-    return data if np.isfinite(data).all() else None
-
-
-def _filled(row) -> bool:
-    return bool(row) and any(field.strip() for field in row)
-
-
-def _read_text(path: str, delimiter: str, columns, drop_missing: bool):
-    """`(data, names, line_of_row, dropped, first_line)` of the picked columns of a
-    delimited text file (the others are not read, so they may hold text), without
-    the `dropped` rows with a missing value where `drop_missing`, the first on
-    `first_line`. `line_of_row` is `None` where every row was read as finite
-    numbers. An error gains a hint where the lines look separated by another
-    character than the extension says."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    text = _decode(path, raw)
-    bar = _progress(path, len(raw), text)
-    try:
-        return _parse_text(path, text, raw, delimiter, columns, drop_missing, bar)
-    except ValueError as e:
-        hint = _delimiter_hint(text, delimiter)
-        if hint is None:
-            raise
-        raise ValueError(f"{e} {hint}") from None
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _parse_text(path, text, raw, delimiter, columns, drop_missing, bar):
-    rows = csv.reader(io.StringIO(text), delimiter=delimiter)
-    head = next(((i + 1, row) for i, row in enumerate(rows) if _filled(row)), None)
-    if head is None:
-        raise ValueError(f"{path} is empty: it holds no rows. Give a file of samples.")
-    header, first = head[0], [field.strip() for field in head[1]]
-    names = None
-    if not all(_is_number(field) or _is_missing(field) for field in first):
-        names = tuple(first)
-    width = len(first)
-    if names is not None and len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise ValueError(
-            f"{path}: the header names the column {twice!r} twice; rename one."
-        )
-    picked = _resolve(path, columns, names, width)
-    picked_names = None if names is None else tuple(names[j] for j in picked)
-    skip = header if names is not None else header - 1
-    data = _read_fast(text, raw, delimiter, skip, width, picked, bar)
-    if data is not None:
-        return data, picked_names, None, 0, None
-    # The checking parser, record by record: the first problem, by its line.
-    if bar is not None:
-        bar.reset()
-    data = np.empty((text.count("\n") + 1, len(picked)))
-    lines, dropped = [], []
-    rows = csv.reader(io.StringIO(text), delimiter=delimiter)
-    for i, row in enumerate(rows):
-        if bar is not None and i % _PROGRESS_EVERY == _PROGRESS_EVERY - 1:
-            bar.update(_PROGRESS_EVERY)
-        line = i + 1
-        if (names is not None and line == header) or not _filled(row):
-            continue
-        r = len(lines)
-        fields = [field.strip() for field in row]
-        if names is not None and tuple(fields) == names:
-            raise ValueError(
-                f"{path}, line {line} repeats the header line (line 1): were files "
-                "concatenated with their headers? Delete the repeated header lines "
-                "(or pass the files one by one to `--data`)."
-            )
-        if len(fields) != width:
-            what = "the header" if names is not None else "line 1"
-            raise ValueError(
-                f"{path}, line {line} has {len(fields)} fields where {what} has "
-                f"{width}; every row needs one number per column."
-            )
-        missing = False
-        for k, j in enumerate(picked):
-            field = fields[j]
-            try:
-                data[r, k] = value = float(field)
-            except ValueError:
-                value = math.nan
-                if not _is_missing(field):
-                    raise ValueError(
-                        f"{path}, line {line} (row {r}), {_column(j, names)} holds "
-                        f"{field!r}, which is not a number; columns must be numeric: "
-                        "fix the value, or leave the column out with `--columns`."
-                    ) from None
-            if value != value:  # NaN: a missing value
-                if not drop_missing:
-                    what = "is empty" if not field else f"holds {field!r}"
-                    raise ValueError(
-                        f"{path}, line {line} (row {r}), {_column(j, names)} {what}, "
-                        f"a missing value; fill it in, or {_DROP}."
-                    )
-                missing = True
-        (dropped if missing else lines).append(line)
-    if not lines and not dropped:
-        raise ValueError(f"{path} holds a header line but no rows of numbers under it.")
-    first = dropped[0] if dropped else None
-    return data[: len(lines)], picked_names, lines, len(dropped), first
-
-
 def _from_array(path: str, x, what: str) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype.names is not None or not (
@@ -347,10 +118,18 @@ def _from_array(path: str, x, what: str) -> np.ndarray:
     return x.astype(np.float64)
 
 
-def _read_npy(path: str, array: str | None):
+def _read_npy(path: str, raw: bytes, array: str | None):
     try:
-        loaded = np.load(path, allow_pickle=False)
-    except ValueError as e:
+        loaded = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile) as e:
+        if "allow_pickle" in str(e) or "pickled" in str(e):
+            # NumPy's advice (load it with allow_pickle=True) would run the file's
+            # code: a file of numbers holds no Python objects.
+            raise ValueError(
+                f"{path} holds Python objects (a pickle), not an array of numbers; it "
+                "is not read. Save the numbers with `np.save(path, x)` where x is a "
+                "float array of shape (rows, columns)."
+            ) from None
         raise ValueError(
             f"{path} is not a NumPy array file of numbers ({e}); save it with "
             "`np.save(path, x)` where x is a float array of shape (rows, columns)."
@@ -377,18 +156,18 @@ def _read_npy(path: str, array: str | None):
     return _from_array(path, x, f"[{array!r}]"), None
 
 
-def _read_parquet(path: str, columns):
+def _read_parquet(path: str, raw: bytes, columns):
     try:
         import pandas as pd
 
-        frame = pd.read_parquet(path)
+        frame = pd.read_parquet(io.BytesIO(raw))
     except ImportError as e:
         raise ValueError(
             f"reading {path} needs pandas with a Parquet engine ({e}): "
             "`pip install pandas pyarrow`, or save the table as .csv or .npy."
         ) from None
     names = tuple(str(c) for c in frame.columns)
-    picked = _resolve(path, columns, names, frame.shape[1])
+    picked = resolve_columns(path, columns, names, frame.shape[1])
     frame, names = frame.iloc[:, picked], tuple(names[j] for j in picked)
     for j in range(frame.shape[1]):
         column = frame.iloc[:, j]
@@ -397,7 +176,7 @@ def _read_parquet(path: str, columns):
             bad = np.flatnonzero(values.isna() & column.notna())
             row = int(bad[0]) if bad.size else 0
             raise ValueError(
-                f"{path}, {_column(j, names)} has dtype {column.dtype} (row {row} "
+                f"{path}, {column_name(j, names)} has dtype {column.dtype} (row {row} "
                 f"holds {column.iloc[row]!r}); columns must be numeric: convert it, "
                 "or leave it out with `--columns`."
             )
@@ -406,35 +185,132 @@ def _read_parquet(path: str, columns):
     return frame.to_numpy(dtype=np.float64, na_value=np.nan), names
 
 
-def _resolve(path, columns, names, width) -> list[int]:
-    """The 0-based positions of the columns picked by `columns` (header names or
-    positions); all of them for `None`."""
-    if columns is None:
-        return list(range(width))
-    picked = []
-    for c in columns:
-        if names is not None and str(c) in names:
-            picked.append(names.index(str(c)))
-            continue
+def data_format(path: str) -> tuple[str, str | None] | None:
+    """`(format, compression)` of a data file by its name: `(".csv", None)` for
+    `x.csv`, `(".csv", ".gz")` for `x.csv.gz`, `(None, ".zip")` for a zip archive
+    (its table's name decides); `None` for a name of no format read here."""
+    name = os.path.basename(os.fspath(path)).lower()
+    root, ext = os.path.splitext(name)
+    if ext in COMPRESSIONS:
+        inner = os.path.splitext(root)[1]
+        return (inner, ext) if inner in _COMPRESSIBLE else None
+    if ext == ".zip":
+        return None, ".zip"
+    return (ext, None) if ext in TABLE_FORMATS else None
+
+
+def _sniffed(raw: bytes) -> tuple[str, str] | None:
+    """What the first bytes of a file say it is, and the extension for that."""
+    for magic, what, ext in _MAGIC:
+        if raw.startswith(magic) and (ext != ".bz2" or raw[3:4].isdigit()):
+            if ext == ".zip" and _is_spreadsheet(raw):
+                return "an Excel or OpenDocument spreadsheet", ".xlsx"
+            return what, ext
+    return None
+
+
+def _is_spreadsheet(raw: bytes) -> bool:
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+    return any(n.startswith(("xl/", "content.xml", "Index/")) for n in names)
+
+
+def _check_kind(path: str, raw: bytes, ext: str) -> None:
+    """A `ValueError` where the bytes of a file (or of the table inside a compressed
+    file or an archive) are of another kind than its name says: a CSV renamed
+    `.npy`, a gzip file named `.csv`, ..."""
+    found = _sniffed(raw)
+    wanted = {".npy": ".npy", ".npz": ".zip", ".parquet": ".parquet"}.get(ext)
+    if wanted is None:  # text: no binary format's first bytes
+        if found is None:
+            return
+        what, right = found
+        fix = f"rename it to end in {ext}{right}" if right in COMPRESSIONS else ""
+        fix = fix or f"give it the extension of its format ({right})"
+        if right == ".xlsx":
+            fix = "save it as CSV (in Excel: File > Save As > 'CSV UTF-8')"
+        raise ValueError(f"{path} is {what}, not {ext} text: {fix}.")
+    if found is not None and found[1] == wanted:
+        return
+    if found is not None:
+        what = found[0]
+    else:
         try:
-            j = int(c)
-        except (TypeError, ValueError):
-            known = f"its columns are {list(names)}" if names else "it has no header"
+            raw[:4096].decode("utf-8")
+            first = raw.split(b"\n", 1)[0][:60].decode("utf-8", errors="replace")
+            what = f"text (its first line reads {first!r}): a table of text?"
+            what += " Give it the extension .csv (or .tsv)"
+        except UnicodeDecodeError:
+            what = "of no format read here"
+    name = {".npy": "a NumPy .npy file", ".npz": "a NumPy .npz archive"}.get(ext)
+    name = name or "a Parquet file"
+    raise ValueError(f"{path} is not {name}: it is {what}.")
+
+
+def _contents(path: str, raw: bytes, compression: str | None):
+    """`(where, bytes, format)` of the table a file holds: the file itself, the
+    decompressed bytes of a `.gz`, `.bz2` or `.xz` file, or the one table of a
+    `.zip` archive; `where` names it in messages."""
+    if compression is None:
+        return path, raw, data_format(path)[0]
+    if compression == ".zip":
+        found = _sniffed(raw)
+        if found is None or found[1] != ".zip":
+            what = found[0] if found else "not a zip archive"
+            raise ValueError(f"{path} ends in .zip but is {what}.")
+        try:
+            return _zipped_table(path, raw)
+        except (zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError) as e:
             raise ValueError(
-                f"{path} has no column named {c!r}; {known}. Pick columns by name or "
-                "by 0-based position."
+                f"{path} cannot be read as a zip archive ({e}): it is damaged, cut "
+                "short or encrypted; unzip it and give the table."
             ) from None
-        if not 0 <= j < width:
+    magic = {".gz": b"\x1f\x8b", ".bz2": b"BZh", ".xz": b"\xfd7zXZ\x00"}[compression]
+    if not raw.startswith(magic):
+        found = _sniffed(raw)
+        what = found[0] if found else "not compressed"
+        raise ValueError(
+            f"{path} ends in {compression} but is {what}: rename it to the extension "
+            f"of its format{f' ({found[1]})' if found else ''}."
+        )
+    try:
+        inner = COMPRESSIONS[compression](raw)
+    except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+        raise ValueError(
+            f"{path} cannot be decompressed ({e}): it is damaged or cut short; "
+            "compress it again, or give the table uncompressed."
+        ) from None
+    return path, inner, data_format(path)[0]
+
+
+def _zipped_table(path: str, raw: bytes):
+    """`_contents` of a `.zip` archive: its one table (a file whose name ends in a
+    format read here, uncompressed), folders and macOS's `__MACOSX/` and dot files
+    aside."""
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        files = [
+            info
+            for info in z.infolist()
+            if not info.is_dir()
+            and not info.filename.startswith("__MACOSX/")
+            and not os.path.basename(info.filename).startswith(".")
+        ]
+        tables = [
+            i for i in files if (data_format(i.filename) or (None, ""))[1] is None
+        ]
+        if len(tables) != 1:
+            held = ", ".join(i.filename for i in (tables or files)[:5]) or "nothing"
             raise ValueError(
-                f"{path} has {width} columns (positions 0 to {width - 1}); column "
-                f"{j} does not exist."
+                f"{path} holds {len(tables)} data tables where one is read (it holds "
+                f"{held}): unzip it and give the table to train on (several tables: "
+                "each to --data)."
             )
-        picked.append(j)
-    if len(set(picked)) != len(picked):
-        raise ValueError(f"the columns {list(columns)} pick one column twice.")
-    if not picked:
-        raise ValueError("`columns` is empty; pick at least one column.")
-    return picked
+        inner = z.read(tables[0])
+    name = tables[0].filename
+    return f"{path} ({name})", inner, data_format(name)[0]
 
 
 def _check_finite(path, data, names, lines, drop_missing: bool):
@@ -454,55 +330,82 @@ def _check_finite(path, data, names, lines, drop_missing: bool):
         if nan[r, j]:
             raise ValueError(
                 f"{path} has {missing.sum()} row(s) with a missing value (NaN); the "
-                f"first is {where}, {_column(j, names)}. Impute them, or {_DROP}."
+                f"first is {where}, {column_name(j, names)}. Impute them, or {DROP}."
             )
         raise ValueError(
             f"{path} has {inf.any(axis=1).sum()} row(s) with inf; the first is "
-            f"{where}, {_column(j, names)} = {data[r, j].item()!r}. Correct or remove "
-            "those rows: dropping missing values drops NaN, not infinite values."
+            f"{where}, {column_name(j, names)} = {data[r, j].item()!r}. Correct or "
+            "remove those rows: dropping missing values drops NaN, not infinite values."
         )
     if not (drop_missing and missing.any()):
         return data, 0, None
     return data[~missing], int(missing.sum()), int(np.flatnonzero(missing)[0])
 
 
-def _read_one(path: str, columns, array, drop_missing: bool):
-    """`(data, names, dropped, first_dropped)` of one file (see `Table`)."""
+def _read_bytes(path: str) -> bytes:
+    """The bytes of a data file, after the checks of its name: a directory, `-`
+    (standard input), a spreadsheet, an unknown extension, a missing or empty
+    file."""
+    if path == "-":
+        raise ValueError(
+            "- (standard input) cannot be read as data: a run reads its data file "
+            "again for `eval` and `plot`, pinned by its SHA-256. Save the data to a "
+            "file (e.g. `... > data.csv`) and give its path."
+        )
     if os.path.isdir(path):
         raise ValueError(
-            f"{path} is a directory, not a data file: give a file ending in one of "
-            f"{', '.join(TABLE_FORMATS)}; for MAF's UCI sets and MNIST, their name "
-            "and the directory (`--data NAME --data-dir DIR` on the command line)."
+            f"{path} is a directory, not a data file: give a file ending in "
+            f"{FORMATS_SHOWN}; for MAF's UCI sets and MNIST, their name and the "
+            "directory (`--data NAME --data-dir DIR` on the command line)."
         )
     ext = os.path.splitext(path)[1].lower()
-    if ext not in TABLE_FORMATS:
+    if ext in SPREADSHEETS:
+        raise ValueError(
+            f"{path} is a spreadsheet, which is not read: save it as CSV (in Excel: "
+            "File > Save As > 'CSV UTF-8'), and give the .csv file."
+        )
+    if data_format(path) is None:
         raise ValueError(
             f"{path}: cannot read files of type {ext or '(no extension)'!r}; give a "
-            f"file ending in one of {', '.join(TABLE_FORMATS)}."
+            f"file ending in {FORMATS_SHOWN}."
         )
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path} does not exist.")
-    if os.path.getsize(path) == 0:
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
         raise ValueError(f"{path} is empty (0 bytes): it holds no rows.")
+    return raw
+
+
+def _read_one(path: str, raw: bytes, columns, array, drop_missing: bool, header):
+    """`(data, names, dropped, first_dropped)` of one file's bytes (see `Table`)."""
+    where, raw, ext = _contents(path, raw, data_format(path)[1])
+    _check_kind(where, raw, ext)
     if array is not None and ext != ".npz":
-        raise ValueError(f"`array` names an array of a .npz file; {path} is {ext}.")
+        raise ValueError(f"`array` names an array of a .npz file; {where} is {ext}.")
+    if header is not None and ext not in _DELIMITERS:
+        raise ValueError(
+            f"`header` (--header) says whether a text file's first line names its "
+            f"columns; {where} is {ext}, which has no header line: drop it."
+        )
     lines, dropped, first = None, 0, None
     if ext in _DELIMITERS:
-        read = _read_text(path, _DELIMITERS[ext], columns, drop_missing)
+        read = read_text(where, raw, _DELIMITERS[ext], columns, drop_missing, header)
         data, names, lines, dropped, first = read
         first = None if first is None else f"line {first}"
     elif ext == ".parquet":
-        data, names = _read_parquet(path, columns)
+        data, names = _read_parquet(where, raw, columns)
     else:
-        data, names = _read_npy(path, array)
-        data = data[:, _resolve(path, columns, None, data.shape[1])]
+        data, names = _read_npy(where, raw, array)
+        data = data[:, resolve_columns(where, columns, None, data.shape[1])]
     n = data.shape[0] + dropped
-    data, nan_rows, row = _check_finite(path, data, names, lines, drop_missing)
+    data, nan_rows, row = _check_finite(where, data, names, lines, drop_missing)
     if row is not None:  # NaN in an array (a text file's parser drops its own)
         dropped, first = nan_rows, f"row {row}"
     if data.shape[0] == 0:
         raise ValueError(
-            f"{path}: every one of its {n} rows has a missing value in the chosen "
+            f"{where}: every one of its {n} rows has a missing value in the chosen "
             f"columns (the first at {first}), so none is left to train on. Fill them "
             "in, or pick other columns (`--columns`)."
         )
@@ -515,6 +418,7 @@ def read_table(
     columns: Sequence[str | int] | None = None,
     array: str | None = None,
     drop_missing: bool = False,
+    header: bool | None = None,
 ) -> Table:
     """Reads a table of samples (one row per sample, one numeric column per
     coordinate) from one file or several, checking every value.
@@ -523,10 +427,14 @@ def read_table(
 
     - `paths`: a file, or several files whose rows are stacked in order; each ends
         in `.npy`, `.npz`, `.csv`, `.tsv` or `.parquet` (Parquet needs pandas with
-        pyarrow or fastparquet). A text file's first line is a header when one of
-        its fields is not a number.
-    - `columns`: the columns to keep, by header name or 0-based position; all by
-        default.
+        pyarrow or fastparquet); a `.csv`, `.tsv` or `.npy` may be compressed
+        (`.gz`, `.bz2`, `.xz`: `points.csv.gz`), and a `.zip` archive holding one
+        such table is read as that table. A file given twice (or two files of the
+        same bytes) is refused: its rows would be counted twice.
+    - `columns`: the columns to keep, by header name or 0-based position (blanks
+        around a name aside); all by default, less a last column that is empty on
+        every line (Excel ends every line with a comma when a blank column
+        follows the table).
     - `array`: for `.npz` files, the name of the array (needed when a file holds
         several).
     - `drop_missing`: drop the rows with a missing value in the chosen columns,
@@ -534,6 +442,10 @@ def read_table(
         `NA`, `N/A`, `#N/A`, `<NA>`, `NaN`, `null`, `None` or `?` (in any case,
         blanks around it aside); NaN in an array or a Parquet file, and Parquet's
         nulls. inf is not missing: it is refused either way, and so is text.
+    - `header`: whether a text file's first line names its columns. `None` (the
+        default): it does when one of its fields is not a number; a first line of
+        numbers alone is then read as data, and a warning says so (`True` reads
+        such a line as names: years, wavelengths).
 
     **Returns:**
 
@@ -545,7 +457,9 @@ def read_table(
     empty file, text where a number should be, a field missing from a line, a header
     line repeated further down, a missing value (without `drop_missing`; with it,
     a file whose every row has one), inf, files with different columns, a text
-    file not in UTF-8 (a byte-order mark is dropped), or a directory; where the lines
+    file not in UTF-8 (a byte-order mark is dropped; UTF-16 is named), a file whose
+    bytes are of another format than its name says, a spreadsheet (save it as CSV),
+    or a directory; where the lines
     of a text file look separated by `;` or tabs (a .csv) or commas (a .tsv), its
     error says so. A text file of `PROGRESS_BYTES` (32 MiB) or more shows the
     progress of its parsing on stderr.
@@ -568,9 +482,30 @@ def read_table(
         raise ValueError("`paths` is empty; give at least one data file.")
     if columns is not None and isinstance(columns, str):
         columns = [c.strip() for c in columns.split(",")]
-    parts, first_names, dropped, first_dropped = [], None, [], []
+    parts, first_names, dropped, first_dropped, sha256 = [], None, [], [], []
+    seen: dict[str, str] = {}
     for i, path in enumerate(paths):
-        data, names, n, first = _read_one(path, columns, array, drop_missing)
+        real = os.path.realpath(path)
+        if real in seen:
+            both = "" if seen[real] == path else f" (as {seen[real]} and {path})"
+            raise ValueError(
+                f"{path} is given twice{both}: its rows would be stacked twice, and "
+                "test rows trained on. Give each file once."
+            )
+        seen[real] = path
+        raw = _read_bytes(path)
+        sha256.append(hashlib.sha256(raw).hexdigest())
+        if sha256[-1] in sha256[:-1]:
+            other = paths[sha256.index(sha256[-1])]
+            raise ValueError(
+                f"{path} and {other} hold the same bytes (SHA-256 "
+                f"{sha256[-1][:12]}...): their rows would be stacked twice, and test "
+                "rows trained on. Give each table once."
+            )
+        data, names, n, first = _read_one(
+            path, raw, columns, array, drop_missing, header
+        )
+        del raw
         dropped.append(n)
         first_dropped.append(first)
         if i == 0:
@@ -591,7 +526,7 @@ def read_table(
         data=np.concatenate(parts),
         names=first_names,
         paths=paths,
-        sha256=tuple(file_sha256(p) for p in paths),
+        sha256=tuple(sha256),
         rows=tuple(p.shape[0] for p in parts),
         dropped=tuple(dropped),
         first_dropped=tuple(first_dropped),
@@ -604,14 +539,29 @@ def _split_sizes(n: int, val_fraction: float, test_fraction: float):
     return n - n_val - n_test, n_val, n_test
 
 
+def _enough(n: int, val_fraction: float, test_fraction: float) -> bool:
+    """Two training rows, two test rows and (unless `val_fraction` is 0) two
+    validation rows: a held-out NLL comes with its standard error."""
+    n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
+    return n_train >= 2 and n_test >= 2 and (n_val >= 2 or val_fraction == 0)
+
+
 def _min_rows(val_fraction: float, test_fraction: float) -> int:
-    n = 1
-    while True:
-        n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
-        # Two of each: a validation or test NLL comes with its standard error.
-        if n_train >= 2 and n_test >= 2 and (n_val >= 2 or val_fraction == 0):
+    """The fewest rows a split has `_enough` of, computed from the fractions (a
+    search from one row hung for a fraction of 1e-9). `round(f * n) >= 2` needs
+    `f * n >= 1.5`, and `n - round(v * n) - round(t * n) >= 2` needs
+    `n * (1 - v - t) >= 1`; from that bound (less a row for rounding), the sizes are
+    checked up to where `f * n >= 2.5` and `n * (1 - v - t) >= 3` make them
+    certain, at most 10,000 rows on (beyond, that certain size is the answer)."""
+    v, t = val_fraction, test_fraction
+    bounds = [1.5 / t, 1 / (1 - v - t)] + ([1.5 / v] if v else [])
+    low = max(1, math.ceil(max(bounds)) - 1)
+    sure = [2.5 / t, 3 / (1 - v - t)] + ([2.5 / v] if v else [])
+    high = max(low, math.ceil(max(sure)) + 1)
+    for n in range(low, min(high, low + 10_000)):
+        if _enough(n, v, t):
             return n
-        n += 1
+    return high
 
 
 def split_table(
@@ -667,8 +617,8 @@ def split_table(
     data = np.asarray(data)
     n = data.shape[0]
     n_train, n_val, n_test = _split_sizes(n, val_fraction, test_fraction)
-    need = _min_rows(val_fraction, test_fraction)
-    if n < need:
+    if not _enough(n, val_fraction, test_fraction):
+        need = max(_min_rows(val_fraction, test_fraction), n + 1)
         raise ValueError(
             f"{name} has {n} row(s); a split with validation fraction {val_fraction} "
             f"and test fraction {test_fraction} needs at least {need} (two to train "

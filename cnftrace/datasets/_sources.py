@@ -15,7 +15,7 @@ import numpy as np
 
 from .._checks import seed_key
 from ..flows import Standardization
-from ._files import TABLE_FORMATS, Table, read_table, split_table
+from ._files import FORMATS_SHOWN, Table, read_table, split_table
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
 from ._real import (
     DIGIT_LEVELS,
@@ -84,6 +84,11 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
     likelihood (with `1e-6` added to the covariance's diagonal): the simple baseline
     a flow should beat.
 
+    A `ValueError` says it is undefined where the fitted covariance is singular:
+    fewer training rows than columns, or columns that are linear combinations of
+    the others (its NLL would be set by the jitter alone: 504727553.2 for 5 rows of
+    8 columns).
+
     !!! example
 
         ```python
@@ -102,6 +107,15 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
     power = np.ldexp(1.0, np.frexp(np.abs(train).max(axis=0))[1] - 1)
     train, test = train / power, test / power
     mean = train.mean(axis=0)
+    rows, d = train.shape
+    spread = train.std(axis=0)
+    rank = np.linalg.matrix_rank((train - mean) / np.where(spread > 0, spread, 1))
+    if rank < d:
+        raise ValueError(
+            f"undefined: the covariance of {rows} training rows of {d} columns is "
+            f"singular (rank {rank}"
+            + (": fewer rows than columns)" if rows <= d else ")")
+        )
     cov = np.cov(train, rowvar=False, bias=True) + np.diag((1e-3 / power) ** 2)
     chol = np.linalg.cholesky(cov)
     z = np.linalg.solve(chol, (test - mean).T).T
@@ -276,7 +290,7 @@ def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> Data
         return _images("digits", load_digits(), (8, 8), DIGIT_LEVELS)
     raise ValueError(
         f"unknown data set {name!r}; choose from {ALL_DATASETS + DIRECTORY_DATASETS}, "
-        f"or give a data file ({', '.join(TABLE_FORMATS)})."
+        f"or give a data file ({FORMATS_SHOWN})."
     )
 
 
@@ -290,6 +304,7 @@ def file_source(
     seed: int = 0,
     standardize: bool = True,
     drop_missing: bool = False,
+    header: bool | None = None,
 ) -> DataSource:
     """A user's own table of samples as a training source: the files read and checked
     by [`read_table`][cnftrace.datasets.read_table], split by
@@ -304,6 +319,8 @@ def file_source(
     unless x64 is on), in which the data are then used. With `drop_missing`, the
     rows with a missing value in the chosen columns are dropped before the split
     (`source.table.dropped` counts them per file); without it, they are refused.
+    `header`: whether a text file's first line names its columns (see
+    [`read_table`][cnftrace.datasets.read_table]).
 
     !!! example
 
@@ -318,7 +335,9 @@ def file_source(
         print(source.standardization.scale)                   # about [1, 10, 100]
         ```
     """
-    table = read_table(paths, columns=columns, array=array, drop_missing=drop_missing)
+    table = read_table(
+        paths, columns=columns, array=array, drop_missing=drop_missing, header=header
+    )
     name = table.paths[0] if len(table.paths) == 1 else " + ".join(table.paths)
     dropped = sum(table.dropped)
     left = f"{name} ({dropped} rows with missing values dropped)" if dropped else name

@@ -51,6 +51,11 @@ def divergence(
     """
     y = jnp.asarray(y)
     check_floating(y, "y")
+    if y.size == 0:
+        raise ValueError(
+            f"`y` is empty (shape {y.shape}): a function of no variables has no "
+            "Jacobian to take the trace of; pass a point with at least one entry."
+        )
     check_estimator(estimator)
     out = jax.eval_shape(fn, y)
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != y.shape:

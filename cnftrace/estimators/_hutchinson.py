@@ -61,7 +61,7 @@ class Hutchinson(AbstractEstimator):
             )
         if sampler not in _SAMPLERS:
             raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
-        self.num_probes = num_probes
+        self.num_probes = int(num_probes)  # a NumPy integer as a Python one
         self.sampler = sampler
 
     def draw(self, key, shape, dtype, *, event_ndim: int = 1):

@@ -60,7 +60,7 @@ def _checked(
         )
     if sampler not in _SAMPLERS:
         raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
-    return num_matvecs, sampler
+    return int(num_matvecs), sampler  # a NumPy integer as a Python one
 
 
 def _hutchpp_trace(mv: BatchedMatvec, probes: Float[Array, "2k n"]) -> Array:

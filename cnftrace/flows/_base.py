@@ -13,6 +13,7 @@ step-size controller uses the maximum over samples of each sample's RMS error.
 """
 
 import abc
+import math
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -26,12 +27,13 @@ from .._checks import (
     check_key,
     check_positive,
     check_precision,
+    check_solve_fits,
 )
 from .._custom_types import Key
 from ..estimators import AbstractEstimator
 from ..ode import Regularization, SolveStats
 from ._distributions import AbstractBase
-from ._inputs import need_key, validate_input
+from ._inputs import need_key, tracing, validate_input
 from ._programs import (
     check_draws,
     log_prob_program,
@@ -64,6 +66,13 @@ class AbstractFlow(eqx.Module):
     `equinox.AbstractVar`: a field or a property),
     [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
     `with_estimator` and `with_base`; everything else is defined here.
+
+    Under a `jit` of yours, compile a method as `jax.jit(lambda x: flow.log_prob(x))`
+    or `eqx.filter_jit(flow.log_prob)`: `jax.jit(flow.log_prob)` is refused by JAX,
+    which hashes the function it compiles, and a bound method of an equinox Module
+    holds the flow's arrays. A float32 input to a float64 flow (under 64-bit mode) is
+    solved in float64, the wider of the two; `sample(..., dtype=)` returns its
+    samples in that `dtype` whatever the flow's.
 
     !!! example
 
@@ -198,6 +207,7 @@ class AbstractFlow(eqx.Module):
         `(log_prob, stats)`.
         """
         x, unbatched = validate_input(x, self.event_shape, "x")
+        _check_batch_fits(x, "x")
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -230,6 +240,7 @@ class AbstractFlow(eqx.Module):
         x, unbatched = validate_input(x, self.event_shape, "x")
         if unbatched:
             raise ValueError(f"`x` must be a batch of shape (n, *{self.event_shape}).")
+        _check_batch_fits(x, "x")
         context = check_context(context, self.context_dim, x.shape[0])
         need_key(key, self.estimators())
         logp, reg, stats = log_prob_program(self, x, key, context, True)
@@ -283,10 +294,11 @@ class AbstractFlow(eqx.Module):
         An array of shape `(n, *event_shape)`; with `return_stats`, a pair.
         """
         check_key("key", key)
-        dtype = self._base_dtype(n, dtype)
+        n, dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
         x, _, stats, counts = sample_program(self, key, n, dtype, context, False)
         x = check_draws(raise_on_failure(x, stats), counts, self.base, n, dtype)
+        x = x.astype(dtype)
         return (x, stats) if return_stats else x
 
     def sample_and_log_prob(
@@ -312,11 +324,12 @@ class AbstractFlow(eqx.Module):
         `(samples, log_prob)`; with `return_stats`, `(samples, log_prob, stats)`.
         """
         check_key("key", key)
-        dtype = self._base_dtype(n, dtype)
+        n, dtype = self._base_dtype(n, dtype)
         context = check_context(context, self.context_dim, n)
         x, logp, stats, counts = sample_program(self, key, n, dtype, context, True)
         x, logp = raise_on_failure((x, logp), stats)
         x, logp = check_draws((x, logp), counts, self.base, n, dtype)
+        x, logp = x.astype(dtype), logp.astype(dtype)
         return (x, logp, stats) if return_stats else (x, logp)
 
     def forward(
@@ -404,16 +417,27 @@ class AbstractFlow(eqx.Module):
     # ------------------------------------------------------------------ helpers
 
     def _base_dtype(self, n, dtype):
-        """The base samples' dtype, after checking `n` and `dtype`."""
-        check_int("n", n)
+        """`(n, dtype)`: the number of samples as a Python `int` (a NumPy integer
+        would reach the compiled program as an array, and a shape cannot be one)
+        and the base samples' dtype, after checking both and that one solve over
+        `n` samples can run."""
+        n = check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"`dtype` must be a floating dtype; got {dtype}.")
         check_precision(dtype, "dtype", "pass `dtype=jnp.float32` (or float64)")
-        return dtype
+        check_solve_fits(
+            "`n`",
+            n,
+            math.prod(self.event_shape),
+            dtype,
+            "draw them in batches, each from its own key (`jax.random.split`)",
+        )
+        return n, dtype
 
     def _map(self, x, inverse, context, return_stats, name):
         x, unbatched = validate_input(x, self.event_shape, name)
+        _check_batch_fits(x, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -423,6 +447,7 @@ class AbstractFlow(eqx.Module):
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
         x, unbatched = validate_input(x, self.event_shape, name)
+        _check_batch_fits(x, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
@@ -432,3 +457,17 @@ class AbstractFlow(eqx.Module):
             y, log_det = y[0], log_det[0]
         y, log_det = raise_on_failure((y, log_det), stats)
         return (y, log_det, stats) if return_stats else (y, log_det)
+
+
+def _check_batch_fits(x, name: str) -> None:
+    """A `ValueError` where one solve over the concrete batch `x` cannot run (see
+    `check_solve_fits`); a traced batch is the caller's program's business."""
+    if not tracing(x):
+        check_solve_fits(
+            f"`{name}`",
+            x.shape[0],
+            math.prod(x.shape[1:]),
+            x.dtype,
+            "evaluate it in batches (`cnftrace.log_prob_batched(flow, x, "
+            "batch_size=...)` for log-densities)",
+        )

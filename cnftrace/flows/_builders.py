@@ -106,7 +106,7 @@ def mlp_flow(
         print(len(chain.blocks))  # 3
         ```
     """
-    check_int("blocks", blocks)
+    blocks = check_int("blocks", blocks)
     if field not in FIELDS:
         raise ValueError(f"`field` must be one of {FIELDS}; got {field!r}.")
     if activation is None:

@@ -137,7 +137,7 @@ class CNF(AbstractFlow):
         if is_int(dim):
             shape = (int(dim),)
         elif isinstance(dim, tuple) and all(is_int(s) for s in dim):
-            shape = dim
+            shape = tuple(int(s) for s in dim)
         else:
             raise ValueError(
                 f"`dim` must be a positive int (or a tuple of them); got {dim!r}."
@@ -147,11 +147,11 @@ class CNF(AbstractFlow):
         check_span(t0, t1)
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")
-        check_int("max_steps", max_steps)
+        max_steps = check_int("max_steps", max_steps)
         if dt0 is not None:
             check_positive("dt0", dt0)  # a magnitude: solves go either way in time
         if context_dim is not None:
-            check_int("context_dim", context_dim)
+            context_dim = check_int("context_dim", context_dim)
         if context_dim is not None and args is not None:
             raise ValueError(
                 "a conditional flow passes each sample's context to the vector field "
@@ -258,6 +258,13 @@ class CNF(AbstractFlow):
                 "`context` must be given exactly when the flow is conditional "
                 f"(context_dim={self.context_size})."
             )
+        # The solve runs in the wider of the input's dtype and the field's: float32
+        # data on a float64 flow (under x64) would otherwise meet float64 values
+        # in a float32 state.
+        params = jax.tree_util.tree_leaves(
+            eqx.filter(self.vector_field, eqx.is_inexact_array)
+        )
+        x = x.astype(jnp.result_type(x.dtype, *(p.dtype for p in params)))
         term, y0, args = self._term(x, log_det, regularize, key, counter, context)
         t1 = self._end_time(x.dtype)
         t_start, t_end = (t1, self.t0) if inverse else (self.t0, t1)

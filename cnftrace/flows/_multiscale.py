@@ -208,8 +208,8 @@ class MultiscaleFlow(AbstractFlow):
         shape = tuple(shape)
         if n_scales is None:
             n_scales = default_n_scales(shape)
-        check_int("n_scales", n_scales, 1)
-        check_int("blocks_per_scale", blocks_per_scale, 1)
+        n_scales = check_int("n_scales", n_scales, 1)
+        blocks_per_scale = check_int("blocks_per_scale", blocks_per_scale, 1)
         c, h, w = shape
         factor = 2 ** (n_scales - 1)
         if h % factor or w % factor:

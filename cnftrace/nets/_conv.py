@@ -99,14 +99,13 @@ class ConvField(eqx.Module):
         key: Key,
         dtype=None,
     ):
-        check_int("channels", channels, 1)
+        channels = check_int("channels", channels, 1)
         if isinstance(hidden, int) or not isinstance(hidden, Sequence):
             raise TypeError(
                 "`hidden` must be a sequence of channel counts, one per hidden layer, "
                 f"e.g. (64, 64, 64); got {hidden!r}."
             )
-        for i, h in enumerate(hidden):
-            check_int(f"hidden[{i}]", h, 1)
+        hidden = [check_int(f"hidden[{i}]", h, 1) for i, h in enumerate(hidden)]
         if not callable(activation):
             raise TypeError(f"`activation` must be callable; got {activation!r}.")
         sizes = [channels, *hidden, channels]

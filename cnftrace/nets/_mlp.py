@@ -150,13 +150,15 @@ class ConcatSquashMLP(eqx.Module):
         key: Key,
         dtype=None,
     ):
-        for name, value, low in (
-            ("dim", dim, 1),
-            ("width", width, 1),
-            ("depth", depth, 0),
-            ("context_dim", context_dim, 0),
-        ):
+        dim, width, depth, context_dim = (
             check_int(name, value, low)
+            for name, value, low in (
+                ("dim", dim, 1),
+                ("width", width, 1),
+                ("depth", depth, 0),
+                ("context_dim", context_dim, 0),
+            )
+        )
         sizes = [dim] + [width] * depth + [dim]
         keys = jr.split(key, len(sizes) - 1)
         layers = [
@@ -254,18 +256,16 @@ class MLPField(eqx.Module):
         key: Key,
         dtype=None,
     ):
-        for name, value, low in (
-            ("dim", dim, 1),
-            ("width", width, 1),
-            ("depth", depth, 0),
-            ("freqs", freqs, 0),
-            ("context_dim", context_dim, 0),
-        ):
-            if name == "width" and value is None:
-                continue  # chosen below, once `dim` is checked
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
-        width = default_width(dim) if width is None else width
+        dim, depth, freqs, context_dim = (
+            check_int(name, value, low)
+            for name, value, low in (
+                ("dim", dim, 1),
+                ("depth", depth, 0),
+                ("freqs", freqs, 0),
+                ("context_dim", context_dim, 0),
+            )
+        )
+        width = default_width(dim) if width is None else check_int("width", width)
         if not callable(activation):
             raise TypeError(
                 f"`activation` must be a function such as `jax.nn.tanh`; got "

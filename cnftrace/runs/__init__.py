@@ -6,7 +6,11 @@ from ._build import (
     run_objective as run_objective,
     run_optimizer as run_optimizer,
 )
-from ._config import RunConfig as RunConfig, read_config as read_config
+from ._config import (
+    RunConfig as RunConfig,
+    integer_argument as integer_argument,
+    read_config as read_config,
+)
 from ._files import (
     LoadedRun as LoadedRun,
     load as load,

@@ -14,9 +14,16 @@ import math
 import os
 from typing import Any
 
+from .._checks import parse_float, parse_int
 from .._io import FileKindError, read_regular_file
 from .._recipe import default_recipe
-from ..datasets import ALL_DATASETS, TABULAR_DATASETS, UCI_DATASETS
+from ..datasets import (
+    ALL_DATASETS,
+    DIRECTORY_DATASETS,
+    TABULAR_DATASETS,
+    TOY_DATASETS,
+    UCI_DATASETS,
+)
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
@@ -36,13 +43,28 @@ RECIPES = {
 }
 
 
+def integer_argument(value: str) -> int:
+    """An integer flag by the package's one rule for numbers (`parse_int`): ASCII
+    digits, refusing the `1_000` and full-width digits that Python's `int` takes."""
+    n = parse_int(value)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
+    return n
+
+
+def number_argument(value: str) -> float:
+    """A number flag by the package's one rule for numbers (`parse_float`)."""
+    x = parse_float(value)
+    if x is None:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}")
+    return x
+
+
 def _tolerance(value: str) -> float | None:
-    if value.lower() == "none":
+    if value.strip().lower() == "none":
         return None
-    try:
-        tol = float(value)
-    except ValueError:
-        tol = math.nan
+    tol = parse_float(value)
+    tol = math.nan if tol is None else tol
     if not (math.isfinite(tol) and tol > 0):
         raise argparse.ArgumentTypeError(
             f"expected a positive tolerance or 'none', got {value!r}"
@@ -53,11 +75,8 @@ def _tolerance(value: str) -> float | None:
 def _devices(value: str) -> int | str:
     if value == "all":
         return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
+    n = parse_int(value)
+    if n is None or n < 1:
         raise argparse.ArgumentTypeError(
             f"expected 'all' or a number of devices >= 1, got {value!r}"
         )
@@ -96,9 +115,9 @@ def _setting(
     elif isinstance(default, (int, float)):
         argparse_kwargs.setdefault("type", type(default))
     if argparse_kwargs.get("type") in (int, float):
-        argparse_kwargs.setdefault(
-            "metavar", "N" if argparse_kwargs["type"] is int else "X"
-        )
+        kind = argparse_kwargs["type"]
+        argparse_kwargs["type"] = integer_argument if kind is int else number_argument
+        argparse_kwargs.setdefault("metavar", "N" if kind is int else "X")
     metadata = dict(
         group=group,
         help=help,
@@ -179,6 +198,16 @@ class RunConfig:
         "(an empty cell, NA, N/A, #N/A, <NA>, NaN, null, None or ?, in any case), "
         "and say how many (by default such a file is refused; inf is never missing)",
         stored=False,
+    )
+    # Pinned in `data_file` where not `auto`.
+    header: str = _setting(
+        "auto",
+        _DATA,
+        "whether the first line of a .csv or .tsv file names its columns: auto (when "
+        "one of its fields is not a number), yes (even if all are numbers: years, "
+        "wavelengths) or no",
+        stored=False,
+        choices=["auto", "yes", "no"],
     )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
     data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
@@ -451,6 +480,66 @@ class RunConfig:
                     "--kinetic-energy and --jacobian-norm regularise --objective "
                     f"mle; drop them with --objective {self.objective}."
                 )
+        self._check_every_setting_acts()
+
+    def _check_every_setting_acts(self) -> None:
+        """A `ValueError` for an empty path or name, and for a setting given a value
+        other than its default where the other settings make it do nothing (it
+        would be stored, and believed, while the run ignored it): `--fm-sigma`
+        without flow matching, the trace estimator's settings with it (its
+        training solves no ODE) or `--num-probes` with the exact trace, a data
+        file's settings with a built-in set, `--data-dir` with a set not read from
+        one, `--patience` where nothing is validated."""
+        for name in ("data", "data_dir", "columns", "array", "run_dir"):
+            values = getattr(self, name)
+            for value in values if isinstance(values, tuple) else (values,):
+                if isinstance(value, str) and not value.strip():
+                    raise ValueError(
+                        f"--{name.replace('_', '-')} is empty ({value!r}); give "
+                        + ("a directory." if name.endswith("dir") else "a value.")
+                    )
+        given = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata["flag"] and not same_value(getattr(self, f.name), f.default)
+        }
+        shown = {n: "" if v is True else f" {v}" for n, v in given.items()}
+
+        def refuse(names, why):
+            for name in names:
+                if name in given:
+                    flag = f"--{name.replace('_', '-')}{shown[name]}"
+                    raise ValueError(f"{flag} does nothing here: {why}; drop it.")
+
+        if self.objective == "mle":
+            refuse(["fm_sigma"], "it widens flow matching's paths (--objective fm)")
+        else:
+            refuse(
+                ["estimator", "num_probes", "train_tol"],
+                f"--objective {self.objective} trains without solving the ODE, so "
+                "without a trace estimator or a training tolerance",
+            )
+        if self.estimator == "exact":
+            refuse(["num_probes"], "--estimator exact draws no probes")
+        data = self.data if isinstance(self.data, str) else None
+        if not self.from_files():
+            refuse(
+                ["val_fraction", "test_fraction", "split_seed", "no_standardize"],
+                f"it splits or scales a data file, and --data {data} is a built-in "
+                "data set (with its own split and scaling)",
+            )
+            refuse(["header"], f"it reads a text file; --data {data} is a data set")
+        if data not in DIRECTORY_DATASETS:
+            refuse(
+                ["data_dir"],
+                f"it is where MAF's UCI sets and MNIST are read from, and --data "
+                f"{data or ' '.join(self.data)} is not one of them",
+            )
+        if self.patience:  # 0: never stop early, which needs no validation
+            if data in TOY_DATASETS:
+                refuse(["patience"], f"--data {data} has no validation set to stop on")
+            if self.from_files() and self.val_fraction == 0:
+                refuse(["patience"], "--val-fraction 0 holds no rows out to validate")
 
     def fits_base(self) -> bool:
         """Whether the data are a table whose training rows a base can be fitted to
@@ -460,8 +549,11 @@ class RunConfig:
         return isinstance(self.data, str) and self.data in TABLE_SETS
 
     def from_files(self) -> bool:
-        """Whether `data` names files (by their extension) rather than a data set."""
-        return not isinstance(self.data, str) or bool(os.path.splitext(self.data)[1])
+        """Whether `data` names files (by their extension, or `-` for standard
+        input, which is refused when it is read) rather than a data set."""
+        if not isinstance(self.data, str):
+            return True
+        return self.data == "-" or bool(os.path.splitext(self.data)[1])
 
     def resolved(self) -> "RunConfig":
         """The settings left to the data filled in: the steps and the batch size by

@@ -88,6 +88,12 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
         samples = flow.sample(jr.key(2), 100)
         ```
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            "`path` must be a file written by `cnftrace.save` or the run directory of "
+            f"`cnftrace train` (a str or a pathlib.Path); got {path!r:.80}."
+        )
+    path = os.fspath(path)
     if os.path.isdir(path):
         run = load_run(path)
         flow = run.flow
@@ -109,15 +115,16 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
             f"{path} does not exist: give `load` a file written by `cnftrace.save` "
             "(with `like=`), or the run directory of `cnftrace train`."
         )
+    try:
+        data = read_regular_file(path)
+    except FileKindError as e:
+        raise CheckpointError(str(e)) from None
+    _check_saved_flow(path, data)
     if like is None:
         raise ValueError(
             f"{path} is a file of arrays; pass `like=`, a flow of the same "
             "architecture to load them into (or give a run directory)."
         )
-    try:
-        data = read_regular_file(path)
-    except FileKindError as e:
-        raise CheckpointError(str(e)) from None
     try:
         return deserialise(data, like, path)
     except CheckpointError as e:
@@ -125,6 +132,28 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
             f"{path} does not hold the arrays of a flow like `like` ({e}); was it "
             "saved from a flow of another architecture?"
         ) from None
+
+
+def _check_saved_flow(path: str, data: bytes) -> None:
+    """A `CheckpointError` where a file is surely not one `save` wrote (equinox's
+    serialisation begins as a NumPy array file does): a training checkpoint, whose
+    run directory is what `load` opens, or a file of another kind (a data table)."""
+    if data.startswith(b"cnftrace-checkpoint ") or data.startswith(b'{"step"'):
+        run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        raise CheckpointError(
+            f"{path} is a training checkpoint (of `cnftrace train` or `fit`), not a "
+            "file written by `cnftrace.save`: load the run it belongs to, "
+            f"`cnftrace.load({run!r})` (the directory above its checkpoints/), or save "
+            "the flow you trained with `cnftrace.save(path, flow)`."
+        )
+    if not data.startswith(b"\x93NUMPY"):
+        first = data[:40].decode("utf-8", errors="replace").split("\n")[0]
+        raise CheckpointError(
+            f"{path} is not a file written by `cnftrace.save` (it begins {first!r}, "
+            "not with the arrays equinox writes: a data table?). Give `load` a file "
+            "written by `cnftrace.save` (with `like=`), or the run directory of "
+            "`cnftrace train`."
+        )
 
 
 def _checked_checkpoints(
@@ -216,6 +245,11 @@ def load_run(run_dir: str) -> LoadedRun:
     standardisation; a `CheckpointError` saying what is missing or wrong. Every
     checkpoint that reads must hold the settings of `config.json`: one that does not
     is refused (not skipped), as `train` refuses to resume from it."""
+    if not os.path.lexists(run_dir):
+        raise FileNotFoundError(
+            f"{run_dir} does not exist: give the run directory of `cnftrace train` "
+            "(its --run-dir)."
+        )
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise CheckpointError(

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from .._io import FileKindError, atomic_write, open_regular, read_exactly
+from ._history import warn_stderr
 
 FORMAT_VERSION = 2
 _MAGIC = "cnftrace-checkpoint"
@@ -379,13 +380,15 @@ def _verified(path: str, like, config, legacy=None) -> tuple[dict, bytes]:
 
 
 def latest_good_checkpoint(
-    directory: str, like, config=None, *, warn=print, legacy=None
+    directory: str, like, config=None, *, warn=None, legacy=None
 ):
     """The newest checkpoint in `directory` that loads cleanly, skipping (and
-    reporting, with the reason) every one that does not. A config mismatch is not
-    skipped: it raises (`legacy`: the values a checkpoint written before a setting
-    existed stands for). Returns `(step, state, header)` or `None` when there is no
+    reporting, with the reason, to `warn`: a line on stderr by default) every one
+    that does not. A config mismatch is not skipped: it raises (`legacy`: the
+    values a checkpoint written before a setting existed stands for). Returns
+    `(step, state, header)` or `None` when there is no
     usable checkpoint."""
+    warn = warn_stderr if warn is None else warn
     for _, path in reversed(list_checkpoints(directory)):
         try:
             header, payload = _verified(path, like, config, legacy)

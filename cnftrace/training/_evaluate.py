@@ -107,7 +107,7 @@ def log_prob_batched(
         print(logp.shape, nfe)  # (250,) and the evaluations per solve
         ```
     """
-    check_int("batch_size", batch_size)
+    batch_size = check_int("batch_size", batch_size)
     flow, x, log_det = standardize_on_host(flow, x)
     x, unbatched = validate_input(x, flow.event_shape, "x")
     if unbatched:

@@ -37,6 +37,12 @@ from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
 from ._trainer import DataSource, Trainer, jitted_step_donating
 
 
+def _int(name: str, none: bool = False) -> Callable:
+    """A field's converter: a NumPy integer to a Python `int` (a static field must
+    not hold an array), after `check_int`; `None` kept where `none`."""
+    return lambda value: value if none and value is None else check_int(name, value)
+
+
 class Validation(eqx.Module):
     """[`fit`][cnftrace.fit]'s validation settings: before the first step, every
     `every` steps and at the end, the NLL of held-out samples is computed, and the
@@ -63,14 +69,13 @@ class Validation(eqx.Module):
 
     data: Float[Array, "n ..."]
     context: Float[Array, "n context"] | None = None
-    every: int = eqx.field(default=100, static=True)
-    patience: int | None = eqx.field(default=None, static=True)
+    every: int = eqx.field(default=100, static=True, converter=_int("every"))
+    patience: int | None = eqx.field(
+        default=None, static=True, converter=_int("patience", none=True)
+    )
     estimator: AbstractEstimator | None = None
 
     def __check_init__(self):
-        check_int("every", self.every)
-        if self.patience is not None:
-            check_int("patience", self.patience)
         if self.estimator is not None:
             check_estimator(self.estimator)
 
@@ -112,16 +117,14 @@ class Checkpoints(eqx.Module):
     """
 
     directory: str
-    every: int = 100
-    keep: int = 3
+    every: int = eqx.field(default=100, converter=_int("every"))
+    keep: int = eqx.field(default=3, converter=_int("keep"))
     config: dict[str, Any] | None = None
     legacy: dict[str, Any] | None = None
 
     def __check_init__(self):
         if not isinstance(self.directory, str):
             raise TypeError(f"`directory` must be a str; got {self.directory!r}.")
-        check_int("every", self.every)
-        check_int("keep", self.keep)
 
 
 def checkpoint_config(
@@ -176,7 +179,13 @@ def fit(
         [`Chain`][cnftrace.Chain] or a [`MultiscaleFlow`][cnftrace.MultiscaleFlow].
     - `data`: an array of training samples `(n, *event)`, from which batches are
         drawn with replacement, or a function `(key, batch_size) -> batch` that
-        generates fresh samples.
+        generates fresh samples. The function runs inside the compiled step, so it
+        must draw with `jax.random` from `key`: one whose batch does not depend on
+        `key` (a NumPy generator, which would be called once, while the step is
+        traced, so that every step trained on that one batch; a fixed array) is
+        refused before training, and so is one JAX cannot trace or one returning
+        another number of samples than `batch_size`. Draw NumPy samples outside
+        and pass them as an array instead.
     - `key`: the PRNG key; the same key gives the same run. Step `i` uses
         `jax.random.fold_in(key, i)` for its batch and probes, so a resumed run draws
         exactly what an uninterrupted one would.
@@ -251,12 +260,9 @@ def fit(
         print(history["loss"][-1], history["nfe"][-1])
         ```
     """
-    for name, value in (
-        ("steps", steps),
-        ("log_every", log_every),
-        ("max_failures", max_failures),
-    ):
-        check_int(name, value)
+    steps = check_int("steps", steps)
+    log_every = check_int("log_every", log_every)
+    max_failures = check_int("max_failures", max_failures)
     checkpoints = _checked_arguments(flow, checkpoints)
     trainer = Trainer(
         data,
@@ -318,6 +324,23 @@ def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validatio
     return Validation(data, context, validation.every, validation.patience, estimator)
 
 
+def _say_lost_history(path: str, step: int, steps: list[int], logged: int) -> None:
+    """One line on stderr where the history file of a run resumed at `step` lacks
+    the record of `logged`, the last step up to it that was logged (deleted, or cut
+    short by hand): the history `fit` returns, and the file, then lack the steps
+    before the resume, and patience counts validations from the resume."""
+    last = steps[-1] if steps else 0
+    if last >= logged:
+        return
+    what = "is missing" if not os.path.lexists(path) else "ends before the checkpoint"
+    since = f"steps {last + 1} to {step}" if last + 1 < step else f"step {step}"
+    _history.warn_stderr(
+        f"{path} {what}: the records of {since} are lost, so the history returned "
+        "(and the file) lacks them; the checkpoint of step "
+        f"{step} is intact, and the run goes on from it."
+    )
+
+
 class _Loop:
     """`fit`'s host side: the state between steps, the history, the best
     parameters, validation and checkpoints."""
@@ -335,6 +358,7 @@ class _Loop:
             None if checkpoints is None else checkpoints.config,
         )
         self.log = _history.Log(None)
+        self.resumed = None  # (the history file, the step) of a resumed run
         best = None
         if checkpoints is not None:
             path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
@@ -365,6 +389,7 @@ class _Loop:
             self.checkpoints.directory,
             like,
             self.config,
+            warn=_history.warn_stderr,
             legacy=self.checkpoints.legacy,
         )
         # Every process must resume from the same step, or they would deadlock.
@@ -391,6 +416,7 @@ class _Loop:
             if self.main_process:
                 _history.rewrite(history_path, records)
         self.history = _history.history_from_records(records)
+        self.resumed = (history_path, first_step)
         skipped = header.get("skipped")
         if skipped is None:  # format 1
             skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
@@ -411,6 +437,10 @@ class _Loop:
 
     def run(self, max_failures, progress, log_every, on_log):
         first_step, steps = int(self.state.step), self.steps
+        if self.resumed is not None and self.main_process:
+            path, step = self.resumed
+            logged = step if step == steps else step - step % log_every
+            _say_lost_history(path, step, self.history["step"], logged)
         start = time.perf_counter() - self.elapsed
         bar = tqdm(
             range(first_step, steps),

@@ -59,7 +59,7 @@ def warmup_cosine_adam(
         # cnftrace.fit(flow, data, key=key, steps=2400, optimizer=optimizer)
         ```
     """
-    check_int("steps", steps)
+    steps = check_int("steps", steps)
     warmup = min(50, max(1, steps // 4)) if warmup is None else warmup
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,

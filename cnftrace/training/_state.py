@@ -107,9 +107,12 @@ def raise_for_failures(counters: StepCounters, flow, max_failures: int | None) -
             raise TrainingError(
                 f"the ODE solver reached its step limit at training step "
                 f"{failed_step} ({solver_settings(flow)}): the dynamics have "
-                "become too stiff for the tolerance. Raise `max_steps`, loosen "
-                "`rtol`/`atol`, lower the learning rate, or regularise the "
-                "dynamics; the last checkpoint is intact."
+                "become too stiff for the tolerance. Loosen the training tolerance "
+                "(MaximumLikelihood's `tolerance`; --train-tol on the command line), "
+                "lower the learning rate (--lr), or regularise the dynamics "
+                "(`kinetic_weight`, `jacobian_weight`; --kinetic-energy, "
+                "--jacobian-norm); in Python the blocks' `max_steps` can be raised "
+                "too. The last checkpoint is intact."
             )
         raise TrainingError(
             f"the ODE solve failed at training step {failed_step}: "

@@ -17,6 +17,7 @@ import jax.random as jr
 import numpy as np
 import optax
 from jax import lax
+from jax.extend.core import Var
 from jaxtyping import Array, Float, PyTree
 
 from .._checks import (
@@ -100,6 +101,31 @@ class _GeneratorSampler(eqx.Module):
         return batch, ctx, bad
 
 
+def _traced_generator(data: Callable, key, batch_size: int):
+    """`(shapes, depends)`: the shapes and dtypes of `data(key, batch_size)`, and
+    whether its batch (the first of a pair) depends on `key`, from its jaxpr (a
+    trace, no run). A function that cannot be traced (it turns `key` into a NumPy
+    value) is a `TypeError` saying so: the step calls it inside one program."""
+    try:
+        jaxpr, shapes = jax.make_jaxpr(
+            lambda key: data(key, batch_size), return_shape=True
+        )(key)
+    except jax.errors.JAXTypeError as e:
+        first = str(e).splitlines()[0]
+        raise TypeError(
+            "`data(key, batch_size)` cannot be traced by JAX, and the training step "
+            f"calls it inside one compiled program ({type(e).__name__}: {first}). "
+            "Draw the batch with jax.random from `key`, or pass the samples as an "
+            "array."
+        ) from None
+    reached = set(jaxpr.jaxpr.invars)
+    for eqn in jaxpr.jaxpr.eqns:  # an equation of any reached input reaches on
+        if any(isinstance(v, Var) and v in reached for v in eqn.invars):
+            reached.update(eqn.outvars)
+    out = jaxpr.jaxpr.outvars[0]  # the batch: the first output, of a pair too
+    return shapes, isinstance(out, Var) and out in reached
+
+
 class Trainer(eqx.Module):
     """A training run's settings and its jitted step: batches from `data`, the
     `objective`'s loss and gradient, an `optimizer` update. [`fit`][cnftrace.fit] is
@@ -110,7 +136,10 @@ class Trainer(eqx.Module):
 
     - `data`: an array of training samples `(n, *event)`, from which batches are
         drawn with replacement, or a function `(key, batch_size) -> batch` (for a
-        conditional flow, `-> (batch, context)`) that generates fresh samples.
+        conditional flow, `-> (batch, context)`) that generates fresh samples with
+        `jax.random` from `key`, inside the step: one whose batch does not depend on
+        `key` (a NumPy generator), or that JAX cannot trace, is refused (see
+        [`fit`][cnftrace.fit]).
     - `key`: the run's PRNG key. Step `i` draws its batch and its loss's randomness
         from `jax.random.fold_in(key, i)`, so a run is reproducible and resumable.
     - `objective`: an objective ([`MaximumLikelihood`][cnftrace.MaximumLikelihood],
@@ -162,7 +191,7 @@ class Trainer(eqx.Module):
         context: Float[Array, "n context"] | None = None,
         mesh: MeshSpec = None,
     ):
-        check_int("batch_size", batch_size)
+        batch_size = check_int("batch_size", batch_size)
         check_key("key", key)
         self.objective = resolve_objective(objective)
         self.optimizer = default_optimizer(None) if optimizer is None else optimizer
@@ -188,13 +217,17 @@ class Trainer(eqx.Module):
     def check_data(self, flow: AbstractFlow) -> None:
         """Checks the data against `flow` (shapes, dtypes, contexts), so that a
         mismatch fails here rather than inside the compiled step. A generator is
-        traced for the shapes and dtypes of a batch, not run (its values are
+        traced, not run, for the shapes and dtypes of a batch of `batch_size`
+        samples and for its batch's dependence on the key (one that does not
+        depend on it would give every step the same batch); its values are
         checked in every step: a batch with NaN or inf stops the step, and `check`
-        raises for it)."""
+        raises for it."""
         conditional = flow.context_dim is not None
         if isinstance(self.sample, _GeneratorSampler):
             what = "data(key, batch_size)"
-            first = jax.eval_shape(lambda key: self.sample.data(key, 2), self.key)
+            first, depends = _traced_generator(
+                self.sample.data, self.key, self.batch_size
+            )
             if conditional and not (isinstance(first, tuple) and len(first) == 2):
                 raise ValueError(
                     f"the flow is conditional, so `{what}` must return a pair "
@@ -202,10 +235,24 @@ class Trainer(eqx.Module):
                 )
             x, c = first if conditional else (first, None)
             check_samples(x, what, flow.event_shape)
+            if x.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"`{what}` returned {x.shape[0]} samples for a batch_size of "
+                    f"{self.batch_size}; return `batch_size` samples (its second "
+                    "argument), or pass the samples as an array."
+                )
+            if not depends:
+                raise ValueError(
+                    f"`{what}` returns a batch that does not depend on `key`, so every "
+                    "step would train on the one batch drawn when the step was traced "
+                    "(a NumPy random generator does this, or a fixed array). Draw from "
+                    "`key` with jax.random (`jax.random.normal(key, (batch_size, "
+                    "dim))`), or pass the samples as an array."
+                )
             check_context(
                 c,
                 flow.context_dim,
-                2,
+                self.batch_size,
                 name=f"the context of {what}",
                 broadcast=False,
                 host=True,
