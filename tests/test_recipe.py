@@ -93,9 +93,9 @@ def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
     run2 = str(tmp_path / "run2")
     argv = ["--data", data, "--run-dir", run2, "--width", "8"]
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)
-    assert _hidden_width(flow.vector_field) == 8 and "recipe:" not in out
-    with open(os.path.join(run2, "config.json")) as f:
-        assert json.load(f)["recipe"] is None
+    assert _hidden_width(flow.vector_field) == 8 and "width" not in out
+    with open(os.path.join(run2, "config.json")) as f:  # only the base was chosen
+        assert json.load(f)["recipe"].startswith("base: ")
     # A small table keeps the field narrow, and says why.
     small = str(tmp_path / "small.csv")
     np.savetxt(small, x[:300], delimiter=",", fmt="%.6f")

@@ -81,25 +81,38 @@ def test_validation_returns_the_best_model_and_stops_early():
     data = lambda k, n: 3.0 + 0.5 * jr.normal(k, (n, 2))  # noqa: E731
     val = jr.normal(jr.key(20), (300, 2))
     flow = _flow(jr.key(21))
-    trained, hist = cnftrace.fit(
-        flow,
-        data,
-        key=jr.key(22),
-        steps=40,
-        batch_size=BATCH,
-        optimizer=optax.adam(3e-2),
-        progress=False,
-        validation=cnftrace.Validation(val, every=2, patience=2),
-    )
-    nll = hist["val_nll"]
-    # Validated as given (step 0), then every 2 steps until 2 validations in a row
-    # did not improve on the best.
-    steps = hist["val_step"]
-    assert steps[0] == 0 and steps == list(range(0, 2 * len(steps), 2))
-    best = int(np.argmin(nll))
-    assert len(nll) - 1 - best == 2 and steps[-1] < 40
-    # The returned flow is the best one, not the last one.
-    np.testing.assert_allclose(cnftrace.evaluate_nll(trained, val).mean, nll[best])
+    runs = {}
+    for significance in (1.0, 0.0):
+        runs[significance] = cnftrace.fit(
+            flow,
+            data,
+            key=jr.key(22),
+            steps=40,
+            batch_size=BATCH,
+            optimizer=optax.adam(3e-2),
+            progress=False,
+            validation=cnftrace.Validation(
+                val, every=2, patience=2, significance=significance
+            ),
+        )
+    for significance, (trained, hist) in runs.items():
+        nll = np.asarray(hist["val_nll"])
+        steps = hist["val_step"]
+        # Validated as given (step 0), then every 2 steps until 2 validations in a
+        # row did not replace the best.
+        assert steps[0] == 0 and steps == list(range(0, 2 * len(steps), 2))
+        assert steps[-1] < 40
+        kept = cnftrace.evaluate_nll(trained, val).mean
+        if significance == 0:  # any lower NLL replaces the best: the lowest is kept
+            best = int(np.argmin(nll))
+            assert len(nll) - 1 - best == 2
+            np.testing.assert_allclose(kept, nll[best])
+    # With the default rule, step 2's gain of under a thousandth of a nat (within
+    # one standard error of the paired difference) does not replace the flow as
+    # given: it is kept, and the run stops 2 validations after step 0.
+    nll = np.asarray(runs[1.0][1]["val_nll"])
+    assert nll[1] < nll[0] and runs[1.0][1]["val_step"] == [0, 2, 4]
+    np.testing.assert_allclose(cnftrace.evaluate_nll(runs[1.0][0], val).mean, nll[0])
 
 
 def test_fit_from_array():

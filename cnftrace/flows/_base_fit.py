@@ -31,7 +31,6 @@ _DF_GRID = (1.5, 2.0, 3.0, 5.0, 8.0, 15.0, 30.0, 100.0)
 _DF_RANGE = (0.05, 1000.0)  # EM's degrees of freedom stay inside
 _EM_STEPS = 200
 _EM_TOL = 1e-8  # stop when the mean log-likelihood gains less per step
-_BIC_PATIENCE = 2  # components past BIC's best before the search stops
 _REG = 1e-6  # added to each scale matrix's diagonal, as scikit-learn's `reg_covar`
 
 
@@ -195,8 +194,6 @@ def _fit_mixture(train, max_components, covariance, seed, *, trainable, dtype):
             scores[k] = float(fitted.bic(train))
             if best is None or scores[k] < scores[best[0]]:
                 best = (k, fitted)
-            elif k - best[0] >= _BIC_PATIENCE:
-                break  # BIC rose twice past its best: more components only cost
     k, fitted = best
     line = f"BIC over 1-{max(scores)} components" if top > 1 else "one component"
     base = GaussianMixture.from_sklearn(fitted, trainable=trainable, dtype=dtype)

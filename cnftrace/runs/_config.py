@@ -255,7 +255,7 @@ class RunConfig:
         "(student-t), the better of mixture and t-mixture on the validation rows "
         "(auto), or the standard normal (normal)",
         legacy="normal",
-        shown="auto for a table (a data file or a --data-dir or scikit-learn set), "
+        shown="auto for a table: a data file, a --data-dir or scikit-learn set; "
         "normal for the toy sets and images",
         choices=list(BASE_KINDS),
     )

@@ -17,7 +17,7 @@ import optax
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
-from .._checks import check_context, check_int, check_samples
+from .._checks import check_context, check_int, check_samples, check_weight
 from .._custom_types import Key
 from ..estimators import AbstractEstimator, Exact, check_estimator
 from ..flows import AbstractFlow
@@ -29,7 +29,7 @@ from ._checkpoint import (
     latest_good_checkpoint,
     save_checkpoint,
 )
-from ._evaluate import evaluate_nll
+from ._evaluate import log_prob_batched
 from ._lock import DirectoryLock
 from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
@@ -46,7 +46,14 @@ def _int(name: str, none: bool = False) -> Callable:
 class Validation(eqx.Module):
     """[`fit`][cnftrace.fit]'s validation settings: before the first step, every
     `every` steps and at the end, the NLL of held-out samples is computed, and the
-    parameters with the best validation NLL are the ones `fit` returns.
+    best validated parameters are the ones `fit` returns.
+
+    A validation replaces the best one only where its gain is clear: the mean of
+    the per-sample log-density differences against the best one's exceeds
+    `significance` standard errors of that mean (a paired comparison). On a few
+    dozen held-out rows a lower NLL by chance is common, and keeping it would keep
+    an overfitted flow in place of the one it started as; on thousands of rows a
+    real gain is many standard errors, and the rule changes nothing.
 
     **Arguments:**
 
@@ -57,6 +64,8 @@ class Validation(eqx.Module):
         (`None`: never).
     - `estimator`: the trace estimator, the **exact** trace by default; a
         stochastic one's noise is then part of the reported standard error.
+    - `significance`: the standard errors a validation's gain must exceed to become
+        the best (0: any lower NLL).
 
     !!! example
 
@@ -74,10 +83,12 @@ class Validation(eqx.Module):
         default=None, static=True, converter=_int("patience", none=True)
     )
     estimator: AbstractEstimator | None = None
+    significance: float = eqx.field(default=1.0, static=True)
 
     def __check_init__(self):
         if self.estimator is not None:
             check_estimator(self.estimator)
+        check_weight("significance", self.significance)
 
 
 class Checkpoints(eqx.Module):
@@ -321,7 +332,14 @@ def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validatio
         host=True,
     )
     estimator = Exact() if validation.estimator is None else validation.estimator
-    return Validation(data, context, validation.every, validation.patience, estimator)
+    return Validation(
+        data,
+        context,
+        validation.every,
+        validation.patience,
+        estimator,
+        validation.significance,
+    )
 
 
 def _say_lost_history(path: str, step: int, steps: list[int], logged: int) -> None:
@@ -359,6 +377,10 @@ class _Loop:
         )
         self.log = _history.Log(None)
         self.resumed = None  # (the history file, the step) of a resumed run
+        # The best validation's step, and its per-sample log-densities (known
+        # again, after a resume, at the next validation).
+        self.best_step: int | None = None
+        self.best_rows: np.ndarray | None = None
         best = None
         if checkpoints is not None:
             path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
@@ -417,6 +439,10 @@ class _Loop:
                 _history.rewrite(history_path, records)
         self.history = _history.history_from_records(records)
         self.resumed = (history_path, first_step)
+        vals = self.history["val_step"]
+        self.best_step = header.get("best_step")
+        if self.best_step is None and vals:  # a checkpoint of an older cnftrace
+            self.best_step = vals[int(np.argmin(self.history["val_nll"]))]
         skipped = header.get("skipped")
         if skipped is None:  # format 1
             skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
@@ -557,24 +583,52 @@ class _Loop:
         self.history = _history.append_train(self.history, record)
         self.log.write(record)
 
-    def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
-        model = self.state.flow
+    def _val_rows(self, flow, done: int) -> np.ndarray:
+        """The per-sample validation log-densities of `flow` (keyed by step `done`
+        for a stochastic estimator)."""
         if self.trainer.mesh is not None:
             # Each process evaluates on one of its own devices (the parameters
             # are replicated, so every process gets the same numbers).
-            model = jax.tree_util.tree_map(_local_copy, model)
-        val = evaluate_nll(
-            model,
+            flow = jax.tree_util.tree_map(_local_copy, flow)
+        rows = log_prob_batched(
+            flow,
             self.validation.data,
             context=self.validation.context,
             estimator=self.validation.estimator,
             key=jr.fold_in(self.val_key, done),
         )
-        _history.append_validation(self.history, done, val.mean, val.stderr)
-        self.log.write({"step": done, "val_nll": val.mean, "val_stderr": val.stderr})
-        if self._validations_since_best() == 0:
+        if not np.all(np.isfinite(rows)):
+            raise FloatingPointError(
+                f"the flow gave a non-finite log-density on the validation samples "
+                f"at step {done}."
+            )
+        return np.asarray(rows, np.float64)
+
+    def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
+        rows = self._val_rows(self.state.flow, done)
+        mean = float(-rows.mean())
+        stderr = float(rows.std(ddof=1) / np.sqrt(rows.size))
+        _history.append_validation(self.history, done, mean, stderr)
+        self.log.write({"step": done, "val_nll": mean, "val_stderr": stderr})
+        if self._improves(rows):
             self.best = copy_arrays(_params(self.state.flow))
-        return dict(record, val_nll=val.mean, val_stderr=val.stderr)
+            self.best_step, self.best_rows = done, rows
+        return dict(record, val_nll=mean, val_stderr=stderr)
+
+    def _improves(self, rows: np.ndarray) -> bool:
+        """Whether validation log-densities `rows` beat the best validation's by
+        more than `significance` standard errors of the paired difference (see
+        [`Validation`][cnftrace.Validation])."""
+        if self.best_step is None:
+            return True
+        if self.best_rows is None:  # resumed: the best parameters evaluated again
+            static = eqx.partition(self.state.flow, eqx.is_inexact_array)[1]
+            best = eqx.combine(self.best, static)
+            self.best_rows = self._val_rows(best, self.best_step)
+        diff = rows - self.best_rows
+        gain = float(diff.mean())
+        stderr = float(diff.std(ddof=1) / np.sqrt(diff.size))
+        return gain > 0 and gain > self.validation.significance * stderr
 
     def _validate_start(self, on_log) -> None:
         """Validates the flow as it starts (step 0), so that the one `fit` returns
@@ -587,8 +641,9 @@ class _Loop:
             on_log(record)
 
     def _validations_since_best(self) -> int:
-        nll = self.history["val_nll"]
-        return len(nll) - 1 - int(np.argmin(nll)) if nll else 0
+        if self.best_step is None:
+            return 0
+        return sum(step > self.best_step for step in self.history["val_step"])
 
     def _save(self, done: int, start: float) -> None:
         if not self.main_process:
@@ -606,5 +661,6 @@ class _Loop:
             extra={
                 "skipped": int(self.state.skipped),
                 "seconds": round(time.perf_counter() - start, 3),
+                "best_step": self.best_step,
             },
         )

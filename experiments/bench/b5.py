@@ -258,10 +258,11 @@ def cnftrace_cli(path: str, run_dir: str, train_args=()) -> dict:
         records = [json.loads(line) for line in f if line.strip()]
     vals = [r for r in records if "val_nll" in r]
     settings = ("field", "blocks", "width", "depth", "steps", "batch_size", "lr")
+    settings += ("base", "base_components", "zero_last")
     return {
         "system": f"cnftrace {cnftrace.__version__}",
         "command": "cnftrace " + shlex.join(train),
-        "recipe": {k: config[k] for k in settings + ("patience",)},
+        "recipe": {k: config.get(k) for k in settings + ("patience",)},
         "steps_done": records[-1]["step"],
         "train_s": records[-1]["seconds"],
         "train_command_s": train_wall,
