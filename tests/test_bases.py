@@ -349,3 +349,15 @@ def test_the_command_line_fits_a_base_says_so_and_keeps_it(tmp_path):
     with jax.enable_x64(False):
         flow = cnftrace.load(old)
     assert isinstance(flow.base, cnftrace.StandardNormal)
+
+
+def test_a_fitted_base_needs_a_table():
+    from cnftrace.runs import RunConfig
+
+    for data in ("8gaussians", "digits"):
+        config = RunConfig(data=data, run_dir="r", base="mixture")
+        with pytest.raises(ValueError, match="--base mixture is fitted to a table"):
+            config.check()
+        assert RunConfig(data=data, run_dir="r").base_to_fit() == "normal"
+    assert RunConfig(data="wine", run_dir="r").base_to_fit() == "auto"
+    assert RunConfig(data="t.csv", run_dir="r").base_to_fit() == "auto"

@@ -144,10 +144,26 @@ def cmd_sample(args) -> int:
     if source is not None and source.kind == "images":
         # Pixel intensities in [0, 1].
         x = digits_from_logit(x).reshape(args.n, *source.image_shape)
+    x = _onto_grid(x, config.data_file)
     names = (config.data_file or {}).get("names")
     write_samples(out, x, names)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
+
+
+def _onto_grid(x: np.ndarray, data_file: dict | None) -> np.ndarray:
+    """Samples of a run trained with `--dequantize` with each dequantised column
+    rounded back to its grid (the cell a sample falls in), as the data were; other
+    samples as they are."""
+    if not (data_file or {}).get("dequantize"):
+        return x
+    step = np.asarray(data_file["grid_steps"], np.float64)
+    origin = np.asarray(data_file["grid_origin"], np.float64)
+    on = step > 0
+    cells = np.round((x[:, on] - origin[on]) / step[on])
+    x = np.array(x, np.float64)
+    x[:, on] = origin[on] + cells * step[on]
+    return x
 
 
 # The seed `eval` draws its test samples with, unless --seed says otherwise.

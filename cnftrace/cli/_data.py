@@ -59,6 +59,15 @@ def score_report(source: DataSource, nll_y: float, seed: int, n: int) -> dict:
         baseline, undefined = None, str(e)
     if source.kind in ("tabular", "file"):
         report = {"gaussian_baseline_nll": baseline}
+        if source.grid is not None:
+            # Spread over its cells, a row's density bounds its cell's probability:
+            # -log P(cell) <= NLL - sum of the log steps (Theis et al., 2016).
+            on = ~np.isnan(source.grid)
+            log_cell = float(np.sum(np.log(source.grid[on])))
+            report["dequantized_columns"] = int(on.sum())
+            report["test_nll_cells"] = nll_y - log_cell
+            if baseline is not None:
+                report["gaussian_baseline_nll_cells"] = baseline - log_cell
     else:
         mean_ld = float(np.mean(source.test_log_det(seed, n)))
         levels = source.levels
@@ -167,6 +176,7 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
             standardize=not config.no_standardize,
             drop_missing=config.drop_missing,
             header=HEADERS[config.header],
+            dequantize=config.dequantize,
         )
     for w in caught:  # what the reading noted (a first line of numbers, say)
         print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
@@ -192,6 +202,12 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         data_file["drop_missing"] = True
         data_file["dropped_rows"] = list(table.dropped)
         print(_dropped_line(table), flush=True)
+    if config.dequantize:  # a run without it pins its file as before
+        data_file["dequantize"] = True
+        on = ~np.isnan(source.grid)
+        data_file["grid_steps"] = np.where(on, source.grid, 0.0).tolist()
+        data_file["grid_origin"] = np.where(on, source.grid_origin, 0.0).tolist()
+        print(_dequantized_line(source.grid, table.names), flush=True)
     shown = paths[0] if len(paths) == 1 else tuple(paths)
     return source, {"data": shown, "data_file": data_file, "data_dir": None}
 
@@ -203,6 +219,16 @@ HEADERS = {"auto": None, "yes": True, "no": False}
 def _spreadsheet(path: str) -> bool:
     """A spreadsheet's name, which `read_table` refuses saying to save it as CSV."""
     return path.lower().endswith(SPREADSHEETS)
+
+
+def _dequantized_line(grid: np.ndarray, names) -> str:
+    """`cnftrace: dequantizing 2 of 4 columns on a grid: age (step 1), ...`."""
+    on = [j for j, g in enumerate(grid) if not np.isnan(g)]
+    shown = [f"{names[j] if names else f'column {j}'} (step {grid[j]:.6g})" for j in on]
+    return (
+        f"cnftrace: dequantizing {len(on)} of {len(grid)} columns on a grid: "
+        + ", ".join(shown)
+    )
 
 
 def _dropped_line(table) -> str:
@@ -230,8 +256,8 @@ def _dropped_line(table) -> str:
 # standardisation, besides the files' bytes (`changed_files`); a record without
 # `drop_missing` (a run trained without it) has it off.
 _DATA_SETTINGS = ("columns", "array", "val_fraction", "test_fraction", "split_seed")
-_DATA_SETTINGS += ("standardize", "drop_missing", "header")
-_DATA_LEGACY = {"drop_missing": False, "header": None}
+_DATA_SETTINGS += ("standardize", "drop_missing", "header", "dequantize")
+_DATA_LEGACY = {"drop_missing": False, "header": None, "dequantize": False}
 
 
 def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
@@ -311,6 +337,7 @@ def run_source(config: RunConfig) -> DataSource:
             standardize=data_file["standardize"],
             drop_missing=data_file.get("drop_missing", False),  # runs before: False
             header=data_file.get("header"),
+            dequantize=data_file.get("dequantize", False),
         )
     # The bytes read are the ones trained on (the file may change in between).
     for path, sha, now in zip(

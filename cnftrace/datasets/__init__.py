@@ -17,6 +17,7 @@ from ._known import (
     MARGINALS as MARGINALS,
     KnownDensity as KnownDensity,
     gaussian_mixture as gaussian_mixture,
+    heavy_tailed as heavy_tailed,
     rotated_product as rotated_product,
     warped_product as warped_product,
 )
@@ -46,6 +47,7 @@ from ._sources import (
     digits_from_logit as digits_from_logit,
     file_source as file_source,
     gaussian_baseline_nll as gaussian_baseline_nll,
+    grid_steps as grid_steps,
     mnist_root as mnist_root,
 )
 from ._toy import (
@@ -89,6 +91,7 @@ __all__ = [
     "digits_from_logit",
     "file_sha256",
     "file_source",
+    "grid_steps",
     "gaussian_baseline_nll",
     "gaussian_mixture",
     "load_digits",
@@ -100,6 +103,7 @@ __all__ = [
     "read_idx",
     "read_table",
     "rotated_product",
+    "heavy_tailed",
     "warped_product",
     "split_table",
     "toy_entropy",

@@ -63,6 +63,10 @@ class DataSource:
         `None`.
     - `table`: for a file, the [`Table`][cnftrace.datasets.Table] read (column
         names, paths, SHA-256 of each file).
+    - `grid`: for a file read with `dequantize`, each column's grid step in the
+        data's units (NaN for a column not on a grid; see
+        [`grid_steps`][cnftrace.datasets.grid_steps]), else `None`; `grid_origin`,
+        a value on each column's grid (its least training value).
     """
 
     name: str
@@ -77,6 +81,8 @@ class DataSource:
     levels: int | None = None
     standardization: Standardization | None = None
     table: Table | None = None
+    grid: np.ndarray | None = None
+    grid_origin: np.ndarray | None = None
 
 
 def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
@@ -151,13 +157,66 @@ def digits_from_logit(y: np.ndarray) -> np.ndarray:
     return np.clip((s - LOGIT_ALPHA) / (1 - 2 * LOGIT_ALPHA), 0, 1)
 
 
-def _resampled(train: np.ndarray) -> Callable:
+def _resampled(train: np.ndarray, width: np.ndarray | None = None) -> Callable:
+    """Batches drawn from the rows `train` with replacement; with `width`, each
+    column moved by uniform noise over `[-width/2, width/2]` (a dequantised column:
+    its grid step; 0 for the others), drawn afresh with each batch."""
     rows = jnp.asarray(train, jnp.result_type(float))
 
     def sample(key, n):
-        return rows[jr.randint(key, (n,), 0, rows.shape[0])]
+        if width is None:
+            return rows[jr.randint(key, (n,), 0, rows.shape[0])]
+        pick, noise = jr.split(key)
+        x = rows[jr.randint(pick, (n,), 0, rows.shape[0])]
+        u = jr.uniform(noise, x.shape, x.dtype, -0.5, 0.5)
+        return x + u * jnp.asarray(width, x.dtype)[None]
 
     return sample
+
+
+# How close to a whole number of grid steps a value must be to be on the grid.
+_GRID_TOLERANCE = 1e-6
+
+
+def grid_steps(rows: np.ndarray) -> np.ndarray:
+    """Each column's grid step: for a column whose values all lie a whole number of
+    one step apart (counts, rounded measurements: at most one distinct value per two
+    rows, so that it is not a continuous column that happens to fit), that step, the
+    smallest gap between its distinct values; NaN for the others.
+
+    !!! example
+
+        ```python
+        import numpy as np
+        from cnftrace.datasets import grid_steps
+
+        rows = np.array([[1.0, 0.25], [3.0, 0.5], [2.0, 0.75], [5.0, 1.0]] * 3)
+        rows[:, 1] += np.random.default_rng(0).normal(size=12)  # a continuous column
+        print(grid_steps(rows))  # [ 1. nan]
+        ```
+    """
+    rows = np.asarray(rows, np.float64)
+    steps = np.full(rows.shape[1], np.nan)
+    for j in range(rows.shape[1]):
+        values = np.unique(rows[:, j])
+        if values.size < 2 or values.size > rows.shape[0] / 2:
+            continue
+        # To 12 significant digits: 0.1 rather than the 0.0999999999999943 between
+        # two decimal values in binary.
+        step = float(f"{np.min(np.diff(values)):.12g}")
+        ratios = (values - values[0]) / step
+        if np.all(np.abs(ratios - np.round(ratios)) < _GRID_TOLERANCE):
+            steps[j] = step
+    return steps
+
+
+def _dequantized(rows: np.ndarray, steps: np.ndarray, seed: int) -> np.ndarray:
+    """`rows` with each grid column moved by one fixed draw of uniform noise over
+    its grid cell (seeded: a run's validation and test rows are the same each time
+    they are read)."""
+    width = np.nan_to_num(steps)
+    u = np.random.default_rng(seed).uniform(-0.5, 0.5, rows.shape)
+    return rows + u * width[None]
 
 
 def _first_rows(test: np.ndarray) -> tuple[Callable, Callable]:
@@ -305,6 +364,7 @@ def file_source(
     standardize: bool = True,
     drop_missing: bool = False,
     header: bool | None = None,
+    dequantize: bool = False,
 ) -> DataSource:
     """A user's own table of samples as a training source: the files read and checked
     by [`read_table`][cnftrace.datasets.read_table], split by
@@ -319,6 +379,11 @@ def file_source(
     unless x64 is on), in which the data are then used. With `drop_missing`, the
     rows with a missing value in the chosen columns are dropped before the split
     (`source.table.dropped` counts them per file); without it, they are refused.
+    With `dequantize`, each column whose values lie on a grid
+    ([`grid_steps`][cnftrace.datasets.grid_steps]: counts, rounded values) is
+    dequantised: each training batch moves it by uniform noise over its grid cell,
+    and the validation and test rows by one fixed draw, so the flow learns a density
+    spread over each cell rather than spikes on the grid values.
     `header`: whether a text file's first line names its columns (see
     [`read_table`][cnftrace.datasets.read_table]).
 
@@ -362,16 +427,35 @@ def file_source(
     std = Standardization.from_data(splits.train, name=name) if standardize else None
     _check_range(table, std)
     to_model = std.forward if standardize else np.asarray
+    grid, width, val, test = None, None, splits.val, splits.test
+    reference = splits.train
+    if dequantize:
+        grid = grid_steps(splits.train)
+        if np.all(np.isnan(grid)):
+            raise ValueError(
+                f"{name}: no column takes its values on a grid (whole multiples of "
+                "one step apart, at most one distinct value per two rows), so "
+                "dequantize has nothing to do; drop it."
+            )
+        width = np.nan_to_num(grid) / (1.0 if std is None else np.asarray(std.scale))
+        # Fixed draws (by the split seed) for the held-out rows; fresh ones in each
+        # training batch.
+        val = _dequantized(splits.val, grid, seed + 1)
+        test = _dequantized(splits.test, grid, seed + 2)
+        # What baselines and a fitted base see: the training rows, one fixed draw.
+        reference = _dequantized(splits.train, grid, seed)
     return DataSource(
         name,
         table.data.shape[1],
-        _resampled(to_model(splits.train)),
-        to_model(splits.val) if splits.val.shape[0] else None,
-        *_first_rows(splits.test),
+        _resampled(to_model(splits.train), width),
+        to_model(val) if splits.val.shape[0] else None,
+        *_first_rows(test),
         "file",
-        reference=splits.train,
+        reference=reference,
         standardization=std,
         table=table,
+        grid=grid,
+        grid_origin=None if grid is None else splits.train.min(axis=0),
     )
 
 

@@ -115,17 +115,20 @@ def fit_base(
         base = _fit_product_t(train, **settings)
         info["reason"] = base.describe()
     else:
-        gm, bic_line = _fit_mixture(train, max_components, covariance, seed, **settings)
+        fitted, bic_line = _fit_mixture(train, max_components, covariance, seed)
+        gm = GaussianMixture.from_sklearn(fitted, **settings)
         info["components"] = gm.n_components
         base = gm
         info["reason"] = f"{gm.describe()} ({bic_line})"
         if kind != "mixture":
-            tm = _fit_t_mixture(gm, train, **settings)
+            params = _fit_t_mixture(fitted, train)
+            tm = StudentTMixture(*params, covariance=covariance, **settings)
             if kind == "t-mixture":
                 base = tm
                 info["reason"] = f"{tm.describe()} ({bic_line})"
             else:
-                base, info = _choose(gm, tm, train, val, bic_line, info)
+                scores = _scores(fitted, params, train, val)
+                base, info = _choose(gm, tm, scores, val is not None, bic_line, info)
     info["kind"] = _kind_of(base)
     return (base, info) if return_info else base
 
@@ -175,9 +178,9 @@ def _rows(name: str, data, d: int | None) -> np.ndarray:
     return rows
 
 
-def _fit_mixture(train, max_components, covariance, seed, *, trainable, dtype):
-    """The BIC-chosen Gaussian mixture of 1 to `max_components` components (at
-    most one per two rows) and a line saying so."""
+def _fit_mixture(train, max_components, covariance, seed):
+    """scikit-learn's Gaussian mixture of 1 to `max_components` components (at most
+    one per two rows) with the least BIC, and a line saying so."""
     from sklearn.mixture import GaussianMixture as SklearnMixture
     from threadpoolctl import threadpool_limits
 
@@ -194,14 +197,34 @@ def _fit_mixture(train, max_components, covariance, seed, *, trainable, dtype):
             scores[k] = float(fitted.bic(train))
             if best is None or scores[k] < scores[best[0]]:
                 best = (k, fitted)
-    k, fitted = best
     line = f"BIC over 1-{max(scores)} components" if top > 1 else "one component"
-    base = GaussianMixture.from_sklearn(fitted, trainable=trainable, dtype=dtype)
-    return base, line
+    return best[1], line
 
 
-def _mean_nll(base: AbstractBase, rows) -> float:
-    return -float(np.mean(np.asarray(base.log_prob(jnp.asarray(rows)), np.float64)))
+def _t_mixture_nll(rows, params) -> float:
+    """The mean NLL of `rows` under a Student-t mixture `(weights, means, scale
+    matrices or variances, df)`, in float64 NumPy."""
+    weights, means, covs, df = params
+    if covs.ndim == 2:  # variances
+        covs = np.stack([np.diag(c) for c in covs])
+    logp, _ = _t_log_density(rows, means, np.linalg.cholesky(covs), df)
+    return -float(np.mean(special.logsumexp(logp + np.log(weights), axis=1)))
+
+
+def _scores(fitted, params, train, val) -> dict[str, float]:
+    """Each candidate's mean validation NLL (without validation rows, its BIC per
+    training row, halved: the t-mixture has one more parameter per component)."""
+    if val is not None:
+        return {
+            "mixture": -float(np.mean(fitted.score_samples(val))),
+            "t-mixture": _t_mixture_nll(val, params),
+        }
+    n = train.shape[0]
+    return {
+        "mixture": -float(np.mean(fitted.score_samples(train))),
+        "t-mixture": _t_mixture_nll(train, params)
+        + 0.5 * len(params[0]) * math.log(n) / n,
+    }
 
 
 def _t_log_density(x, means, chols, df):
@@ -225,7 +248,7 @@ def _t_log_density(x, means, chols, df):
     return logp, r2
 
 
-def _t_mixture_em(x, weights, means, covs, df):
+def _t_mixture_em(x, weights, means, covs, df, diagonal: bool = False):
     """Maximum-likelihood Student-t mixture by EM (Peel and McLachlan 2000, with
     the ECM update of each component's degrees of freedom), from the given
     parameters: `(weights, means, scale matrices, df)`."""
@@ -251,6 +274,8 @@ def _t_mixture_em(x, weights, means, covs, df):
             means[j] = tu @ x / max(tu.sum(), 1e-300)
             diff = x - means[j]
             covs[j] = (diff * tu[:, None]).T @ diff / n_k[j] + _REG * np.eye(d)
+            if diagonal:
+                covs[j] = np.diag(np.diag(covs[j]))
             # ECM: the degrees of freedom solve the score equation given u.
             c = 1 + np.sum(tau[:, j] * (np.log(u[:, j]) - u[:, j])) / n_k[j]
             c += special.digamma(0.5 * (df[j] + d)) - np.log(0.5 * (df[j] + d))
@@ -268,31 +293,29 @@ def _t_mixture_em(x, weights, means, covs, df):
     return weights, means, covs, df
 
 
-def _fit_t_mixture(gm: GaussianMixture, train, *, trainable, dtype):
-    """A Student-t mixture from the Gaussian mixture `gm`: its parameters as the
-    start, the degrees of freedom of `_DF_GRID` with the best training likelihood,
-    then EM on every parameter."""
-    weights = np.asarray(gm.weights, np.float64)
-    means = np.asarray(gm.means, np.float64)
-    covs = np.asarray(gm.covariances, np.float64)
+def _fit_t_mixture(fitted, train):
+    """A Student-t mixture from scikit-learn's Gaussian mixture `fitted`: its
+    parameters as the start, the degrees of freedom of `_DF_GRID` with the best
+    training likelihood, then EM on every parameter. Returns `(weights, means,
+    scale matrices, df)`, the scales as variances for a diagonal mixture."""
+    diagonal = fitted.covariance_type == "diag"
+    weights = np.asarray(fitted.weights_, np.float64)
+    means = np.asarray(fitted.means_, np.float64)
+    covs = np.asarray(fitted.covariances_, np.float64)
+    if diagonal:
+        covs = np.stack([np.diag(c) for c in covs])
     chols = np.linalg.cholesky(covs)
     scores = []
     for df in _DF_GRID:
         logp, _ = _t_log_density(train, means, chols, np.full(len(weights), df))
         scores.append(np.mean(special.logsumexp(logp + np.log(weights), axis=1)))
     start = np.full(len(weights), _DF_GRID[int(np.argmax(scores))])
-    weights, means, covs, df = _t_mixture_em(train, weights, means, covs, start)
-    if gm.covariance == "diag":
-        covs = np.stack([np.diag(c) for c in covs])
-    return StudentTMixture(
-        weights,
-        means,
-        covs,
-        df,
-        covariance=gm.covariance,
-        trainable=trainable,
-        dtype=dtype,
+    weights, means, covs, df = _t_mixture_em(
+        train, weights, means, covs, start, diagonal
     )
+    if diagonal:
+        covs = np.stack([np.diag(c) for c in covs])
+    return weights, means, covs, df
 
 
 def _fit_product_t(train, *, trainable, dtype) -> StudentT:
@@ -315,20 +338,10 @@ def _fit_product_t(train, *, trainable, dtype) -> StudentT:
     return StudentT(loc, scale, df, trainable=trainable, dtype=dtype)
 
 
-def _choose(gm, tm, train, val, bic_line, info):
-    """The Gaussian or the Student-t mixture, by validation NLL (by BIC on the
-    training rows without validation rows), with the reason."""
-    if val is not None:
-        scores = {"mixture": _mean_nll(gm, val), "t-mixture": _mean_nll(tm, val)}
-        how = "validation NLL"
-    else:
-        # BIC per row; the t-mixture has one more parameter per component.
-        n = train.shape[0]
-        scores = {
-            "mixture": 2 * _mean_nll(gm, train),
-            "t-mixture": 2 * _mean_nll(tm, train) + tm.n_components * math.log(n) / n,
-        }
-        how = "BIC per row"
+def _choose(gm, tm, scores, validated: bool, bic_line, info):
+    """The Gaussian or the Student-t mixture, by `scores` (validation NLLs, or BIC
+    per row without validation rows), with the reason."""
+    how = "validation NLL" if validated else "BIC per row"
     chosen = min(scores, key=scores.get)
     base = tm if chosen == "t-mixture" else gm
     other = "Gaussian" if chosen == "t-mixture" else "Student-t"

@@ -209,6 +209,17 @@ class RunConfig:
         stored=False,
         choices=["auto", "yes", "no"],
     )
+    # Pinned in `data_file` (its grid steps), as the split is.
+    dequantize: bool = _setting(
+        False,
+        _DATA,
+        "spread each column of a data file whose values lie on a grid (counts, "
+        "rounded values) over its grid cells with uniform noise, so that the flow "
+        "learns a density rather than spikes on the grid; `eval` then also reports "
+        "the NLL of the test rows' cells, and `sample` rounds those columns back to "
+        "the grid",
+        stored=False,
+    )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
     data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
     # The model.
@@ -462,6 +473,11 @@ class RunConfig:
                 raise ValueError(
                     f"--drop-missing reads a data file; --data {self.data} is a "
                     "built-in data set, which has no missing values."
+                )
+            if self.dequantize:
+                raise ValueError(
+                    f"--dequantize spreads a data file's grid columns; --data "
+                    f"{self.data} is a built-in data set: give a data file."
                 )
         if self.base not in (None, "normal", "auto") and not self.fits_base():
             raise ValueError(

@@ -278,11 +278,17 @@ def cnftrace_cli(path: str, run_dir: str, train_args=()) -> dict:
 
 
 def run_file(
-    name: str, work_dir: str, train_args=(), peers=("nsf",), peer_seconds=None
+    name: str,
+    work_dir: str,
+    train_args=(),
+    peers=("nsf",),
+    peer_seconds=None,
+    split_seed: int = 0,
 ):
     """One table of the `files` half: its CSV, cnftrace's run, each method's test NLL
     in the data's units (`methods`), and cnftrace's gap to the BIC mixture with its
-    paired standard error (from the run's per-row log-densities, recomputed here)."""
+    paired standard error (from the run's per-row log-densities, recomputed here).
+    `split_seed`: the command line's `--split-seed` (and the baselines' split)."""
     loader, source, holds = tables.TABLES[name]
     data, names = loader()
     path = os.path.join(work_dir, name, f"{name}.csv")
@@ -291,12 +297,14 @@ def run_file(
     table = read_table(path).data  # what cnftrace reads
     if not np.array_equal(table, data):
         raise AssertionError(f"{path} does not read back as the table written.")
-    train, val, test = split_table(table, **SPLIT)
+    train, val, test = split_table(table, **(SPLIT | {"seed": split_seed}))
+    if split_seed:
+        train_args = ["--split-seed", str(split_seed), *train_args]
     row = {"source": source, "holds": holds, "rows": int(table.shape[0])}
     row.update(columns=int(table.shape[1]), split=[len(train), len(val), len(test)])
     row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
 
-    run_dir = os.path.join(work_dir, name, "run")
+    run_dir = os.path.join(work_dir, name, f"run{split_seed or ''}")
     ours = cnftrace_cli(path, run_dir, train_args)
     if ours["eval"]["n"] != len(test):
         raise AssertionError(
@@ -357,19 +365,24 @@ def run_files(
     peers=("nsf",),
     peer_seconds: float | None = None,
     on_row=None,
+    split_seeds=(0,),
 ) -> dict:
-    """The `files` half, a row per table of `names`; the CSVs and run directories go
-    under `work_dir` (a new temporary directory if `None`). `train_args` are added to
+    """The `files` half, a row per table of `names` and split seed (keyed `name`
+    for split 0, `name/seed` for the others); the CSVs and run directories go under
+    `work_dir` (a new temporary directory if `None`). `train_args` are added to
     `cnftrace train` (none for the benchmark; smoke runs shorten it) and
     `peer_seconds` replaces cnftrace's seconds as zuko's budget (smoke runs)."""
     work_dir = tempfile.mkdtemp(prefix="b5-files-") if work_dir is None else work_dir
     out = {}
     for name in names:
-        row = run_file(name, work_dir, train_args, peers, peer_seconds)
-        row["work_dir"] = os.path.join(os.path.abspath(work_dir), name)
-        out[name] = row
-        if on_row is not None:
-            on_row(name, row)
+        for seed in split_seeds:
+            row = run_file(name, work_dir, train_args, peers, peer_seconds, seed)
+            row["work_dir"] = os.path.join(os.path.abspath(work_dir), name)
+            row["split_seed"] = seed
+            key = name if seed == 0 else f"{name}/{seed}"
+            out[key] = row
+            if on_row is not None:
+                on_row(key, row)
     return out
 
 
@@ -479,6 +492,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--files", default=",".join(FILES))
     parser.add_argument(
+        "--split-seeds", default="0", help="files: the splits (--split-seed) to run"
+    )
+    parser.add_argument(
         "--work-dir", help="files: where the CSVs and runs go (default: a temp dir)"
     )
     parser.add_argument(
@@ -548,6 +564,7 @@ def main(argv=None) -> None:
             () if args.no_zuko else ("nsf",),
             args.peer_seconds,
             save,
+            [int(s) for s in _names(args.split_seeds)],
         )
         stems.append(stem)
     for stem in stems:
