@@ -102,9 +102,14 @@ def test_zuko_parts(dims_result, files_result):
 
 
 def test_tables_are_real_measurements():
-    # The files half's tables load without downloads and hold finite numbers.
+    # The files half's tables load without downloads and hold finite numbers (those
+    # of statsmodels and vega_datasets where the bench extra installed them).
     for name, (load, source, holds) in tables.TABLES.items():
-        data, names = load()
+        try:
+            data, names = load()
+        except ModuleNotFoundError as e:
+            assert e.name in ("statsmodels", "vega_datasets"), name
+            continue
         assert data.ndim == 2 and data.shape[1] == len(names), name
         assert data.shape[0] >= 100 and np.isfinite(data).all(), name
         assert source and holds

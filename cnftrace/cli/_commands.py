@@ -138,7 +138,11 @@ def cmd_sample(args) -> int:
     rows = sample_chunk(dim)
     check_sample_fits(args.n, rows, dim, config.width, config.blocks, out)
     inner = flow if run.transform is None else flow.flow
-    y = draw_samples(inner, seed_key(args.seed), args.n, rows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = draw_samples(inner, seed_key(args.seed), args.n, rows)
+    for w in caught:  # a heavy-tailed base's draws beyond the solver's range, say
+        print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
     # The standardised flow's samples, mapped to the data's units in float64.
     x = y if run.transform is None else run.transform.inverse(y)
     if source is not None and source.kind == "images":

@@ -323,6 +323,11 @@ def _checked_arguments(flow, checkpoints) -> Checkpoints | None:
 
 def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
     data = check_samples(validation.data, "validation", flow.event_shape)
+    if data.shape[0] < 2:
+        raise ValueError(
+            f"`validation` holds {data.shape[0]} sample; a validation NLL needs at "
+            "least 2 (for its standard error): hold out more samples."
+        )
     context = check_context(
         validation.context,
         flow.context_dim,

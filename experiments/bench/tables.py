@@ -79,6 +79,51 @@ def _goog():
     return data, ["return %", "high/low range %", "log10 volume"]
 
 
+def _statsmodels(name: str):
+    import statsmodels.api as sm
+
+    return getattr(sm.datasets, name).load_pandas().data
+
+
+def _engel():
+    frame = _statsmodels("engel")
+    return frame.to_numpy(np.float64), ["income", "food expenditure"]
+
+
+MACRO = ("realgdp", "realcons", "realinv", "realgovt", "realdpi", "cpi", "m1")
+
+
+def _macro():
+    frame = _statsmodels("macrodata")
+    levels = frame[list(MACRO)].to_numpy(np.float64)
+    return 100 * np.diff(np.log(levels), axis=0), [f"{n} growth %" for n in MACRO]
+
+
+def _vega(name: str):
+    from vega_datasets import local_data
+
+    return getattr(local_data, name)()
+
+
+CARS = ("Miles_per_Gallon", "Displacement", "Horsepower", "Weight_in_lbs")
+CARS += ("Acceleration",)
+
+
+def _cars():
+    frame = _vega("cars")[list(CARS)].dropna()
+    return frame.to_numpy(np.float64), list(CARS)
+
+
+def _seattle():
+    columns = ["precipitation", "temp_max", "temp_min", "wind"]
+    return _vega("seattle_weather")[columns].to_numpy(np.float64), columns
+
+
+def _airports():
+    columns = ["latitude", "longitude"]
+    return _vega("airports")[columns].to_numpy(np.float64), columns
+
+
 # name -> (loader, where it comes from, what the table holds)
 TABLES = {
     "iris": (_iris, "scikit-learn iris.csv", "four flower measurements (cm)"),
@@ -106,6 +151,35 @@ TABLES = {
         "matplotlib sample_data/goog.npz",
         "Google's daily log return (%), intraday high/low range (%) and log10 "
         "volume, 2004-2008",
+    ),
+    # Added for issue 42 (the bench extra installs statsmodels and vega_datasets).
+    "engel": (
+        _engel,
+        "statsmodels datasets.engel",
+        "Belgian households' income and food expenditure, 1857 (heavy right tails)",
+    ),
+    "macro": (
+        _macro,
+        "statsmodels datasets.macrodata",
+        "US quarterly growth (%) of real GDP, consumption, investment, government "
+        "spending, disposable income, CPI and M1, 1959-2009",
+    ),
+    "cars": (
+        _cars,
+        "vega_datasets cars.json",
+        "mpg, displacement, horsepower, weight and acceleration of 392 cars (rows "
+        "with a missing value left out)",
+    ),
+    "seattle": (
+        _seattle,
+        "vega_datasets seattle-weather.csv",
+        "Seattle's daily precipitation (zero on most days), maximum and minimum "
+        "temperature and wind, 2012-2015",
+    ),
+    "airports": (
+        _airports,
+        "vega_datasets airports.csv",
+        "latitude and longitude of 3,376 US airports (clustered by geography)",
     ),
 }
 
