@@ -166,6 +166,8 @@ def test_a_flow_whose_field_starts_at_zero_is_its_base(zero_flows, name):
     x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 2)))
     # The zero field moves nothing and has no divergence: the same bits.
     assert np.array_equal(flow.log_prob(x), base.log_prob(x))
+    if name not in ("mixture", "t-mixture"):
+        return  # sampling: one light and one heavy-tailed base are enough
     samples, logp = flow.sample_and_log_prob(jr.key(4), 6)
     assert np.array_equal(logp, base.log_prob(samples))
     # The same draws (one compiled program against eager calls: to rounding).
@@ -242,8 +244,8 @@ def _clusters(n, seed=0):
 def test_fit_base_fits_the_mixture_and_tails_where_the_data_have_them():
     from sklearn.mixture import GaussianMixture
 
-    rows = _clusters(600)
-    train, val = rows[:450], rows[450:]
+    rows = _clusters(400)
+    train, val = rows[:300], rows[300:]
     gm, info = cnftrace.fit_base(train, kind="mixture", return_info=True)
     # scikit-learn's BIC choice, density for density.
     fits = [
@@ -306,8 +308,8 @@ def test_the_command_line_fits_a_base_says_so_and_keeps_it(tmp_path):
     data = str(tmp_path / "clusters.csv")
     np.savetxt(data, rows, delimiter=",", fmt="%.17g")
     run = str(tmp_path / "run")
-    argv = ["train", "--data", data, "--run-dir", run, "--steps", "60"]
-    argv += ["--checkpoint-every", "20", "--depth", "1", "--width", "16"]
+    argv = ["train", "--data", data, "--run-dir", run, "--steps", "30"]
+    argv += ["--checkpoint-every", "10", "--depth", "1", "--width", "16"]
     argv += ["--no-progress", "--batch-size", "64"]
     with jax.enable_x64(False):
         assert main(argv) == 0
