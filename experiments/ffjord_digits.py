@@ -170,7 +170,9 @@ def main(argv=None):
         checkpoints = cnftrace.Checkpoints(args.checkpoint_dir, config=config)
 
     def log(record):
-        if "val_nll" in record:
+        if "val_nll" in record and "loss" not in record:  # before any step
+            print(f"step 0: val NLL {record['val_nll']:.2f} nats", flush=True)
+        elif "val_nll" in record:
             print(
                 f"step {record['step']}: train NLL {record['loss']:.2f}, val NLL "
                 f"{record['val_nll']:.2f} ± {record['val_stderr']:.2f} nats, NFE "

@@ -217,9 +217,10 @@ def train(flow, splits, setting: Setting, args, key, root: str):
 
         def on_log(record, s=s, seen=seen):
             if "val_nll" in record:
+                nfe = record.get("nfe", 0)  # none before the first step
                 print(
                     f"  stage {s} step {record['step']}: val NLL "
-                    f"{record['val_nll']:.4f}, train NFE {record['nfe']}",
+                    f"{record['val_nll']:.4f}, train NFE {nfe}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -121,8 +121,9 @@ def test_four_devices_give_the_numbers_of_one(runs):
     assert child["history"]["step"] == [1, 2, 3]
     assert child["history"]["nfe"] == history["nfe"]
     np.testing.assert_allclose(child["history"]["loss"], history["loss"], rtol=1e-6)
-    # The validation ran at the end, on the parameters trained on 4 devices.
-    assert child["history"]["val_step"] == history["val_step"] == [STEPS]
+    # The validations ran before training (step 0, kept in the checkpoint's history)
+    # and at the end, on the parameters trained on 4 devices.
+    assert child["history"]["val_step"] == history["val_step"] == [0, STEPS]
     np.testing.assert_allclose(
         child["history"]["val_nll"], history["val_nll"], rtol=1e-5
     )
@@ -245,7 +246,8 @@ def test_two_processes_give_the_numbers_of_one(runs, tmp_path):
             np.testing.assert_allclose(
                 np.asarray(g, np.float32), e, rtol=1e-5, atol=1e-6
             )
-    assert [r["logged"] for r in results] == [[1, 2, 3], []]
+    # Process 0 logs the validation before training (step 0), then every step.
+    assert [r["logged"] for r in results] == [[0, 1, 2, 3], []]
     checkpoints = sorted(os.listdir(tmp_path / "ckpt"))
     assert checkpoints == [
         "history.jsonl",

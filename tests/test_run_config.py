@@ -40,8 +40,10 @@ def test_every_setting_is_a_flag_whose_help_states_its_default():
     # The flags come in argument groups, one per kind of setting.
     titles = [g.title for g in parser._action_groups]
     assert {"data settings", "model settings", "training settings"} <= set(titles)
-    # Only the derived data file and the recipe's line have no flag.
-    assert [f.name for f in fields if f not in flagged] == ["data_file", "recipe"]
+    # Only the derived settings have no flag: the data file, the number of the
+    # fitted base's components and the recipe's line.
+    unflagged = [f.name for f in fields if f not in flagged]
+    assert unflagged == ["data_file", "base_components", "recipe"]
 
 
 def test_flags_become_settings():

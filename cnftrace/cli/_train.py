@@ -58,8 +58,6 @@ def cmd_train(args) -> int:
     rows = None if source.reference is None else int(source.reference.shape[0])
     config = config.for_data(source.dim, rows, existing)
     base, config = _fitted_base(config, source, existing)
-    if config.recipe is not None:
-        print(f"recipe: {config.recipe}", flush=True)
     check_fits_in_memory("--batch-size", config.batch_size, source.dim)
     check_model_fits_in_memory(config)
     check_probes_fit_in_memory(config, source.dim)
@@ -76,6 +74,9 @@ def cmd_train(args) -> int:
     if is_main_process():
         lock = DirectoryLock(config.run_dir, "run directory")
     with lock:
+        # Said once the run is sure to start: a refused run prints only its error.
+        if config.recipe is not None:
+            print(f"recipe: {config.recipe}", flush=True)
         _write_config(config)
         history, start = _train(config, source, flow, settings)
     done, loss = _last_step(config, history)

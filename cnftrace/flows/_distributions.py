@@ -211,10 +211,14 @@ class StudentT(AbstractBase):
 
     @property
     def scale(self) -> Float[Array, " d"]:
+        """The scale per dimension (stored as its logarithm, so it stays positive
+        under training)."""
         return jnp.exp(self.log_scale)
 
     @property
     def df(self) -> Float[Array, " d"]:
+        """The degrees of freedom per dimension: `softplus(df_raw)`, positive under
+        training."""
         return jax.nn.softplus(self.df_raw)
 
     def _log_prob(self, z):
@@ -516,6 +520,8 @@ class StudentTMixture(_AbstractMixture):
 
     @property
     def df(self) -> Float[Array, " k"]:
+        """The degrees of freedom per component: `softplus(df_raw)`, positive under
+        training."""
         return jax.nn.softplus(self.df_raw)
 
     def _component(self, r2, d):

@@ -1,6 +1,7 @@
 """Runs: saving and loading flows, and the run directories of `cnftrace train`, whose
 settings (`config.json`) rebuild the model, its optimiser and its objective."""
 
+from ._arguments import integer_argument as integer_argument
 from ._build import (
     run_flow as run_flow,
     run_objective as run_objective,
@@ -8,7 +9,6 @@ from ._build import (
 )
 from ._config import (
     RunConfig as RunConfig,
-    integer_argument as integer_argument,
     read_config as read_config,
 )
 from ._files import (

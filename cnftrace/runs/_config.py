@@ -14,7 +14,6 @@ import math
 import os
 from typing import Any
 
-from .._checks import parse_float, parse_int
 from .._io import FileKindError, read_regular_file
 from .._recipe import default_recipe
 from ..datasets import (
@@ -27,6 +26,14 @@ from ..datasets import (
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
+from ._arguments import (
+    DataAction,
+    devices_argument,
+    flag_value,
+    integer_argument,
+    number_argument,
+    tolerance_argument,
+)
 
 _REQUIRED = object()  # no value to assume for a config written without the key
 # Stored settings that only describe the others (what the default recipe chose, and
@@ -41,46 +48,6 @@ RECIPES = {
     None: {"steps": 2400, "batch_size": 128},
     "checkerboard": {"steps": 8000, "batch_size": 256},
 }
-
-
-def integer_argument(value: str) -> int:
-    """An integer flag by the package's one rule for numbers (`parse_int`): ASCII
-    digits, refusing the `1_000` and full-width digits that Python's `int` takes."""
-    n = parse_int(value)
-    if n is None:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}")
-    return n
-
-
-def number_argument(value: str) -> float:
-    """A number flag by the package's one rule for numbers (`parse_float`)."""
-    x = parse_float(value)
-    if x is None:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}")
-    return x
-
-
-def _tolerance(value: str) -> float | None:
-    if value.strip().lower() == "none":
-        return None
-    tol = parse_float(value)
-    tol = math.nan if tol is None else tol
-    if not (math.isfinite(tol) and tol > 0):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive tolerance or 'none', got {value!r}"
-        )
-    return tol
-
-
-def _devices(value: str) -> int | str:
-    if value == "all":
-        return value
-    n = parse_int(value)
-    if n is None or n < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected 'all' or a number of devices >= 1, got {value!r}"
-        )
-    return n
 
 
 def _setting(
@@ -330,7 +297,7 @@ class RunConfig:
         "solver rtol = atol in maximum-likelihood training ('none': train at "
         "--rtol/--atol)",
         legacy=None,
-        type=_tolerance,
+        type=tolerance_argument,
         metavar="TOL|none",
     )
     estimator: str = _setting(
@@ -392,7 +359,7 @@ class RunConfig:
         "must be a multiple of the number)",
         stored=False,
         shown="one device",
-        type=_devices,
+        type=devices_argument,
         metavar="N|all",
     )
     distributed: bool = _setting(
@@ -417,8 +384,8 @@ class RunConfig:
             flags = ["--" + f.name.replace("_", "-")]
             if f.name == "data":
                 flags.append("--dataset")
-                kwargs["action"] = _DataAction
-            shown = f.metadata["shown"] or _flag_value(f.default)
+                kwargs["action"] = DataAction
+            shown = f.metadata["shown"] or flag_value(f.default)
             ending = "required" if kwargs.get("required") else f"default: {shown}"
             groups[f.metadata["group"]].add_argument(
                 *flags,
@@ -710,19 +677,6 @@ class RunConfig:
 
 def _flagged(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.metadata["flag"]]
-
-
-def _flag_value(value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return "none" if value is None else str(value)
-
-
-class _DataAction(argparse.Action):
-    """`--data`: one name or file is kept as a string, several files as a tuple."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values[0] if len(values) == 1 else tuple(values))
 
 
 def read_config(path: str) -> RunConfig:

@@ -243,7 +243,10 @@ def fit(
         consecutive skipped steps training stops with a `TrainingError`.
     - `progress`: show a progress bar.
     - `log_every`: record the history every this many steps.
-    - `on_log`: called with each history record (a dict) as it is logged.
+    - `on_log`: called with each history record (a dict) as it is logged. With
+        `validation`, the first is the validation of the flow as given, before any
+        step: `{"step": 0, "val_nll": ..., "val_stderr": ...}`, without the
+        training figures (`loss`, `nfe`, ...) that later records carry.
 
     The host waits for the device only where something is logged, validated or
     saved; failures (too many skipped steps, an ODE solve that failed, naming its
