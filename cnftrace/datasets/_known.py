@@ -278,15 +278,7 @@ def rotated_product(dim: int, *, seed: int = 0) -> KnownDensity:
         print(x.shape, density.log_prob(x).shape)  # (3, 5) (3,)
         ```
     """
-    dim = _check_dim(dim)
-    rng = np.random.default_rng([seed, dim, 1])
-    marginals = tuple(MARGINALS[i % len(MARGINALS)] for i in range(dim))
-    return _RotatedProduct(
-        name=f"rotated_product(dim={dim}, seed={seed})",
-        dim=dim,
-        marginals=marginals,
-        rotation=jnp.asarray(_rotation(rng, dim)),
-    )
+    return _rotated("rotated_product", MARGINALS, dim, seed, stream=1)
 
 
 def gaussian_mixture(dim: int, components: int = 6, *, seed: int = 0) -> KnownDensity:
@@ -437,12 +429,17 @@ def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
         print(x.shape, density.log_prob(x).shape)  # (3, 5) (3,)
         ```
     """
+    return _rotated("heavy_tailed", HEAVY_MARGINALS, dim, seed, stream=4)
+
+
+def _rotated(name: str, table, dim, seed: int, stream: int) -> KnownDensity:
+    """The product of `dim` marginals cycling through `table`, rotated by a rotation
+    drawn from `seed` (and `stream`, which keeps each family's draws its own)."""
     dim = _check_dim(dim)
-    rng = np.random.default_rng([seed, dim, 4])
-    marginals = tuple(HEAVY_MARGINALS[i % len(HEAVY_MARGINALS)] for i in range(dim))
+    rng = np.random.default_rng([seed, dim, stream])
     return _RotatedProduct(
-        name=f"heavy_tailed(dim={dim}, seed={seed})",
+        name=f"{name}(dim={dim}, seed={seed})",
         dim=dim,
-        marginals=marginals,
+        marginals=tuple(table[i % len(table)] for i in range(dim)),
         rotation=jnp.asarray(_rotation(rng, dim)),
     )

@@ -107,10 +107,17 @@ def fitted_recipe(target: Target, steps: int, test, rows: int, seed: int = 0) ->
 
 
 def run(
-    dims=DIMS, steps=2000, rows=20_000, test_size=20_000, peers=("nsf",), save=None
+    dims=DIMS,
+    steps=2000,
+    rows=20_000,
+    test_size=20_000,
+    peers=("nsf",),
+    save=None,
+    earlier=None,
 ):
+    """The rows of `dims`, added to (or replacing those of) the `earlier` rows."""
     zuko_peer, missing = _bench_peer() if peers else (None, None)
-    out = {}
+    out = dict(earlier or {})
     for d in dims:
         target = Target(f"heavy_tailed({d})", heavy_tailed(d, seed=0))
         test = target.test_set(test_size)
@@ -142,7 +149,7 @@ def markdown(res: dict) -> str:
         return f"{r['gap']:.3f} ± {r['gap_se']:.3f}{tail}"
 
     rows = []
-    for row in res.values():
+    for _, row in sorted(res.items(), key=lambda item: int(item[0])):
         nsf = row.get("zuko_nsf")
         rows.append(
             [
@@ -172,7 +179,14 @@ def main(argv=None) -> None:
     parser.add_argument("--test-size", type=int, default=20_000)
     parser.add_argument("--peers", default="nsf", help="zuko's models ('' for none)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "b5_heavy"))
+    parser.add_argument(
+        "--fresh", action="store_true", help="start a new table (else rows are updated)"
+    )
     args = parser.parse_args(argv)
+    earlier = None
+    if not args.fresh and os.path.exists(args.out + ".json"):
+        with open(args.out + ".json") as f:
+            earlier = json.load(f)
     dims = [int(d) for d in args.dims.split(",") if d]
     peers = [p for p in args.peers.split(",") if p]
     command = "python -m experiments.bench.b5_heavy " + shlex.join(
@@ -189,7 +203,7 @@ def main(argv=None) -> None:
         )
         atomic_write(args.out + ".md", f"{head}\n\n{markdown(res)}\n".encode())
 
-    run(dims, args.steps, args.rows, args.test_size, peers, save)
+    run(dims, args.steps, args.rows, args.test_size, peers, save, earlier)
     with open(args.out + ".md") as f:
         print(f.read())
 
