@@ -654,6 +654,7 @@ class Normal(AbstractBase):
 
     @property
     def scale(self) -> Float[Array, ""]:
+        """The scale, `exp(log_scale)`."""
         return jnp.exp(self.log_scale)
 
     def _log_prob(self, z):

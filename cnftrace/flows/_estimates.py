@@ -177,23 +177,22 @@ def _pair(name, value) -> tuple[float, float]:
     return float(value[0]), float(value[1])
 
 
-def check_in_range(x, data_range, bin_width):
-    """`x`, after a check that every value and its bin lie in `data_range`: on the
-    host for concrete data, by a runtime error inside a caller's transformation."""
+def check_in_range(x, data_range):
+    """`x`, after a check that its values lie in `data_range`: on the host for
+    concrete data, by a runtime error inside a caller's transformation."""
     low, high = data_range
     # A little slack for values computed in floating point (k / 255, say).
     slack = 1e-6 * (high - low)
     message = (
-        f"`x` has values outside the declared `data_range` {tuple(data_range)} "
-        f"(every value and its bin of width {bin_width} must lie within it): "
+        f"`x` has values outside the declared `data_range` {tuple(data_range)}: "
         "check that `x` is in the data's own units (not already scaled to the "
-        "model's range) and that `data_range` covers its bins."
+        "model's range) and that `data_range` covers its values."
     )
     if tracing(x):
-        bad = jnp.any((x < low - slack) | (x + bin_width > high + slack))
+        bad = jnp.any((x < low - slack) | (x > high + slack))
         return eqx.error_if(x, bad, message)
     values = np.asarray(x)
-    if values.min() < low - slack or values.max() + bin_width > high + slack:
+    if values.min() < low - slack or values.max() > high + slack:
         lo, hi = float(values.min()), float(values.max())
         raise ValueError(f"{message} Its values run from {lo:g} to {hi:g}.")
     return x

@@ -211,7 +211,6 @@ class ProbabilityFlow(AbstractFlow):
             lambda t, x: -x, 2, kind="score", schedule=cnftrace.VPSchedule()
         )
         print(pf.log_prob(jnp.zeros(2)))  # about -1.8379 = log N(0; 0, I)
-        x, logp = pf.sample_and_log_prob(jr.key(0), 5)
         ```
     """
 
@@ -485,12 +484,13 @@ class ProbabilityFlow(AbstractFlow):
 
         $$\log P(\text{bin}) \ge \mathbb{E}_u \log p_y(y) + D \log(a\,\Delta),$$
 
-        the bin's volume in the model's units `a Delta` counting the scaling's
+        the bin's volume in the model's units, `a Delta`, counting the scaling's
         log-determinant `D log a` and the dequantisation's `D log Delta` once,
-        here; the bits per dimension are $-(\log p_y(y) + D\log(a\Delta)) / (D
-        \log 2)$ for each draw of `u`. For 8-bit images as integers on a model of
-        `[-1, 1]` (score_sde's `(x + u) / 256 * 2 - 1`):
-        `bin_width=1, data_range=(0, 256), model_range=(-1, 1)`.
+        here. Each draw of `u` gives $-(\log p_y(y) + D\log(a\Delta)) / (D \log
+        2)$ bits per dimension. For 8-bit integers on a model of `[-1, 1]`:
+        score_sde's `(x + u) / 256 * 2 - 1` is `bin_width=1, data_range=(0, 256),
+        model_range=(-1, 1)`; DDPM's `x / 127.5 - 1` (with `u` added) is
+        `bin_width=1, data_range=(0, 255), model_range=(-1, 1)`.
 
         **Arguments:**
 
@@ -498,23 +498,41 @@ class ProbabilityFlow(AbstractFlow):
             the data's own units.
         - `bin_width`: the spacing `Delta` of the data's values, in those units;
             required.
-        - `data_range`: `(d_lo, d_hi)`, the interval the bins cover (0 to 256 for
-            8-bit integers): every `x` must satisfy `d_lo <= x <= d_hi - bin_width`.
-            Without it the model sees the dequantised data as they are.
-        - `model_range`: `(m_lo, m_hi)`, where the model sees `data_range`'s ends
-            (`(-1, 1)` for most image diffusion models); `data_range` as it is if
-            omitted.
+        - `data_range`: `(d_lo, d_hi)`, the data's interval that the affine map
+            sends onto `model_range`; every `x` must lie in it (a check that the
+            data are in their own units, not already scaled). Without it the model
+            sees the dequantised data as they are (`a = 1`).
+        - `model_range`: `(m_lo, m_hi)`, where `data_range`'s ends land in the
+            model's units (`(-1, 1)` for most image diffusion models); `data_range`
+            itself if omitted.
         - `key`: a PRNG key: for the dequantisation noise, and the probes of a
-            stochastic estimator.
+            stochastic estimator. The noise is drawn from the key's first half
+            (`jax.random.split(key)[0]`), so estimators given one key see the same
+            dequantised points.
         - `repeats`: independent draws of `u` (and probes) per sample, averaged; at
             least 2 for a standard error.
         - `dequantize`: `False` when `x` are already dequantised (continuous values
-            in the bins); then `d_lo <= x <= d_hi`.
+            in their bins); then no noise is drawn.
 
         **Returns:**
 
         A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits per
         dimension: `values` per sample, `mean` the data set's figure.
+
+        !!! example
+
+            ```python
+            # N(0, I) data in the model's units: its exact score under VP is -x.
+            pf = cnftrace.ProbabilityFlow(
+                lambda t, x: -x, 2, kind="score", schedule=cnftrace.VPSchedule()
+            )
+            pixels = jnp.array([[0, 255], [128, 64]], dtype=jnp.uint8)
+            bits = pf.bits_per_dim(
+                pixels, bin_width=1, data_range=(0, 256), model_range=(-1, 1),
+                key=jr.key(0), repeats=2,
+            )
+            print(bits.values, bits.stderr)  # bits/dim of each image, its s.e.
+            ```
         """
         size = math.prod(self.event_shape)
         low, scale, bin_model = data_scaling(
@@ -524,7 +542,7 @@ class ProbabilityFlow(AbstractFlow):
             x = jnp.asarray(x, jnp.result_type(float))
         x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize)
         if data_range is not None:
-            x = check_in_range(x, data_range, bin_width if dequantize else 0.0)
+            x = check_in_range(x, data_range)
         probe_key = key
         tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
         if dequantize:

@@ -1,0 +1,560 @@
+"""Likelihoods of diffusion and flow-matching models through their probability-flow
+ODE (`cnftrace.ProbabilityFlow`), with every trace estimator, beside a CNF trained by
+maximum likelihood on the same data.
+
+Two data sets:
+
+- **digits**: scikit-learn's 8x8 digits (64 dimensions, 17 grey levels), split
+    70/15/15 by `cnftrace.datasets.load_digits`. Every model sees the pixels
+    dequantised with fresh uniform noise and scaled to [-1, 1):
+    `y = -1 + 2 (k + u) / 17`. Reported in bits per dimension of the discrete
+    pixels by `ProbabilityFlow.bits_per_dim(levels, bin_width=1, data_range=(0, 17),
+    model_range=(-1, 1))`, which counts the dequantisation and the scaling.
+- **8gaussians**: FFJORD's toy mixture, whose differential entropy is known exactly
+    (`cnftrace.datasets.toy_entropy`): reported as the gap of the test NLL to it.
+
+Three models each, trained a few minutes on two CPU cores:
+
+- **VP diffusion**: a noise-prediction MLP (`eps(t, x)`, SiLU, sinusoidal features
+    of `log t`) trained with DDPM's simple loss under the VP schedule
+    (`cnftrace.VPSchedule()`, beta 0.1 to 20), times uniform on [1e-5, 1],
+    evaluated as
+    `ProbabilityFlow(net, d, kind="noise", schedule=VPSchedule())` (truncation
+    `eps = 1e-5`, standard normal prior).
+- **flow matching**: cnftrace's own `fit(..., objective="fm")` on an `mlp_flow`
+    with `t1 = 1`, evaluated as `ProbabilityFlow.from_flow(flow)`.
+- **CNF (maximum likelihood)**: `fit(..., objective="mle")`, the same architecture,
+    evaluated the same way.
+
+Every model's likelihood is computed with each estimator (Exact, Hutchinson,
+Hutch++, XTrace; Tsit5 at rtol = atol = 1e-5) and reported with its mean, its
+standard error, the NFE and the seconds. Each stochastic estimate is repeated twice
+per sample (fresh probes, the same dequantisation noise for every estimator): the
+spread gives each sample's Monte Carlo standard error, and the difference to the
+exact trace at the same noise isolates the estimator's own. On digits, a table gives
+each estimator's standard error per NFE and the cheapest route to a +-0.01 bits/dim
+estimate. Seconds are measured with `--lock` held (a file lock shared with other
+heavy jobs), figures of quality without it.
+
+    python -m experiments.probability_flow --lock /tmp/cnftrace-cpu.lock
+    python -m experiments.probability_flow --quick   # a smoke run, seconds
+
+Results: experiments/results/probability_flow.{json,md} (written atomically).
+"""
+
+import argparse
+import contextlib
+import fcntl
+import math
+import os
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+
+import cnftrace
+from cnftrace.datasets import load_digits, toy_entropy, toy_sample
+from experiments._common import RESULTS, markdown_table, write_results
+
+DIGIT_LEVELS = 17
+TOY = "8gaussians"
+# The estimators of every table: a name, the estimator and the solver's tolerance
+# (rtol = atol). Hutch++ and XTrace take Rademacher vectors, as Hutchinson does: on
+# these Jacobians (a large diagonal near t = 0) Gaussian vectors were far noisier.
+TOL = 1e-5
+ESTIMATORS = (
+    ("Exact", cnftrace.Exact(), TOL),
+    ("Hutchinson (1 probe)", cnftrace.Hutchinson(1), TOL),
+    ("Hutchinson (6 probes)", cnftrace.Hutchinson(6), TOL),
+    ("Hutch++ (6)", cnftrace.HutchPlusPlus(6, "rademacher"), TOL),
+    ("XTrace (6)", cnftrace.XTrace(6, "rademacher"), TOL),
+    ("Exact, tol 1e-3", cnftrace.Exact(), 1e-3),
+    ("Hutchinson (1 probe), tol 1e-3", cnftrace.Hutchinson(1), 1e-3),
+)
+TOY_ESTIMATORS = (
+    ("Exact", cnftrace.Exact(), TOL),
+    ("Hutchinson (1 probe)", cnftrace.Hutchinson(1), TOL),
+    ("Hutch++ (3)", cnftrace.HutchPlusPlus(3, "rademacher"), TOL),
+    ("XTrace (4)", cnftrace.XTrace(4, "rademacher"), TOL),
+)
+TARGET = 0.01  # bits/dim: the precision the digits' cheapest route is named for
+
+
+# ------------------------------------------------------------------ the noise model
+
+
+class NoiseNet(eqx.Module):
+    """`eps(t, x)`: an MLP on the sample and sinusoidal features of `log t` (the VP
+    schedule's noise changes fastest near `t = 0`, where the likelihood starts)."""
+
+    mlp: eqx.nn.MLP
+    n_freq: int = eqx.field(static=True)
+
+    def __init__(self, dim, width, depth, *, key, n_freq=8):
+        self.n_freq = n_freq
+        self.mlp = eqx.nn.MLP(
+            dim + 2 * n_freq, dim, width, depth, activation=jax.nn.silu, key=key
+        )
+
+    def __call__(self, t, x):
+        # log t from log 1e-5 to 0 mapped to [-1, 1], at frequencies 1..2^(n-1).
+        s = 1 + 2 * jnp.log(jnp.maximum(t, 1e-6)) / math.log(1e5)
+        freqs = 2.0 ** jnp.arange(self.n_freq, dtype=x.dtype)
+        angles = math.pi * freqs * s
+        features = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)])
+        return self.mlp(jnp.concatenate([x, features.astype(x.dtype)]))
+
+
+def train_diffusion(data_fn, dim, width, depth, steps, batch, key, schedule):
+    """DDPM's simple loss `|eps(t, x_t) - e|^2` with `t ~ U(1e-5, 1)`, Adam on
+    `warmup_cosine_adam`. Returns the net, the training seconds and the loss at
+    every tenth of the run.
+
+    Times drawn half log-uniform (more weight near `t = 0`, where the likelihood
+    starts) gave a model whose probability-flow ODE diverged on a few test
+    images (|z| near 4000 at `t = 1`; bits/dim above 1e5 for them, median 3.08),
+    from fewer draws at large `t`: DDPM's uniform times are kept."""
+    init_key, key = jr.split(key)
+    net = NoiseNet(dim, width, depth, key=init_key)
+    optimizer = cnftrace.warmup_cosine_adam(steps, 1e-3)
+    opt_state = optimizer.init(eqx.filter(net, eqx.is_inexact_array))
+
+    def loss(net, x0, t, e):
+        alpha = jax.vmap(schedule.alpha)(t)[:, None]
+        sigma = jax.vmap(schedule.sigma)(t)[:, None]
+        xt = alpha * x0 + sigma * e
+        pred = jax.vmap(net)(t, xt)
+        return jnp.mean((pred - e) ** 2)
+
+    @eqx.filter_jit
+    def step(net, opt_state, key):
+        data_key, t_key, e_key = jr.split(key, 3)
+        x0 = data_fn(data_key, batch)
+        t = jr.uniform(t_key, (batch,), x0.dtype, 1e-5, 1.0)
+        e = jr.normal(e_key, x0.shape, x0.dtype)
+        value, grads = eqx.filter_value_and_grad(loss)(net, x0, t, e)
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(net, eqx.is_inexact_array)
+        )
+        return eqx.apply_updates(net, updates), opt_state, value
+
+    start = time.perf_counter()
+    losses = []
+    for i in range(steps):
+        net, opt_state, value = step(net, opt_state, jr.fold_in(key, i))
+        if (i + 1) % max(1, steps // 10) == 0:
+            losses.append(float(value))
+            print(f"  diffusion step {i + 1}: loss {losses[-1]:.4f}", flush=True)
+    return net, time.perf_counter() - start, losses
+
+
+def train_flow(data_fn, dim, width, steps, batch, key, objective, t1):
+    model_key, fit_key = jr.split(key)
+    flow = cnftrace.mlp_flow(dim, key=model_key, width=width, t1=t1)
+    start = time.perf_counter()
+    flow, history = cnftrace.fit(
+        flow,
+        data_fn,
+        key=fit_key,
+        steps=steps,
+        batch_size=batch,
+        objective=objective,
+        progress=False,
+        log_every=max(1, steps // 10),
+        on_log=lambda r: print(
+            f"  {objective} step {r['step']}: loss {r['loss']:.4f}", flush=True
+        ),
+    )
+    return flow, time.perf_counter() - start, [float(v) for v in history["loss"]]
+
+
+# ---------------------------------------------------------------------- the data
+
+
+def digits_data():
+    train, _, test = load_digits()
+    train = jnp.asarray(train)
+
+    def data_fn(key, n):
+        pick_key, noise_key = jr.split(key)
+        k = train[jr.randint(pick_key, (n,), 0, train.shape[0])]
+        u = jr.uniform(noise_key, k.shape, k.dtype)
+        return -1 + 2 * (k + u) / DIGIT_LEVELS
+
+    return data_fn, np.asarray(test, np.int32)
+
+
+def toy_data(n_test):
+    def data_fn(key, n):
+        return toy_sample(TOY, key, n)
+
+    return data_fn, np.asarray(toy_sample(TOY, jr.key(2024), n_test))
+
+
+# ------------------------------------------------------------------ measurements
+
+
+@contextlib.contextmanager
+def held(lock_path):
+    """The shared CPU lock (a `flock` on `lock_path`) while timing; nothing without
+    one."""
+    if lock_path is None:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def measure(fn, lock_path):
+    """`(result, seconds)`: `fn()` run once for its result (compiling), then timed
+    once more with the lock held."""
+    out = jax.block_until_ready(fn())
+    with held(lock_path):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        seconds = time.perf_counter() - start
+    return out, seconds
+
+
+def evaluate(pf, x, estimators, *, digits, key, lock_path, repeats):
+    """Each estimator's estimate on `x`: bits/dim of the digit levels (dequantised
+    with the same noise for every estimator: one key), or the NLL in nats. Every
+    estimate is repeated `repeats` times per sample; the first estimator must be
+    the exact one, at the tight tolerance, the reference of the others."""
+    rows = []
+    reference = None
+    for name, estimator, tol in estimators:
+        flow = pf.with_estimator(estimator).with_tolerance(tol, tol)
+        r = repeats if (digits or estimator.stochastic) else 1
+
+        if digits:
+
+            def run(flow=flow, r=r):
+                return flow.bits_per_dim(
+                    x,
+                    bin_width=1,
+                    data_range=(0, DIGIT_LEVELS),
+                    model_range=(-1, 1),
+                    key=key,
+                    repeats=r,
+                )
+
+        else:
+
+            def run(flow=flow, r=r):
+                return flow.log_prob_estimate(x, key=key, repeats=r)
+
+        est, seconds = measure(run, lock_path)
+        sign = 1.0 if digits else -1.0  # the toy's figure is the NLL
+        values = sign * np.asarray(est.values, np.float64)
+        if reference is None:
+            reference = values
+        # One estimate's standard deviation per sample: all of its Monte Carlo
+        # noise (probes, and on digits the dequantisation), and the probes' alone,
+        # from the difference to the exact trace at the same noise.
+        total_sd = float(np.sqrt(r * np.mean(np.asarray(est.stderr) ** 2)))
+        probe_sd = float(np.sqrt(r * np.mean((values - reference) ** 2)))
+        row = {
+            "estimator": name,
+            "tolerance": tol,
+            "mean": float(values.mean()),
+            "median": float(np.median(values)),
+            "stderr": float(est.mean_stderr),
+            "monte_carlo_stderr": float(est.monte_carlo_stderr),
+            "sd_per_estimate": total_sd if r > 1 else 0.0,
+            "probe_sd_per_estimate": probe_sd,
+            "difference_to_exact": float(np.mean(values - reference)),
+            "nfe": int(est.nfe),
+            "matvecs": est.matvecs,
+            "repeats": r,
+            "seconds": seconds,
+            "seconds_per_estimate": seconds / (r * values.shape[0]),
+            "n": int(values.shape[0]),
+        }
+        rows.append(row)
+        print(
+            f"    {name}: {row['mean']:.4f} ± {row['stderr']:.4f} (MC "
+            f"{row['monte_carlo_stderr']:.4f}, probe sd {probe_sd:.4f}), NFE "
+            f"{row['nfe']}, {seconds:.2f} s",
+            flush=True,
+        )
+    return rows
+
+
+# -------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--diffusion-steps", type=int, default=20000)
+    parser.add_argument("--fm-steps", type=int, default=4000)
+    parser.add_argument("--mle-steps", type=int, default=300)
+    parser.add_argument("--toy-diffusion-steps", type=int, default=10000)
+    parser.add_argument("--toy-fm-steps", type=int, default=3000)
+    parser.add_argument("--toy-mle-steps", type=int, default=1000)
+    parser.add_argument("--width", type=int, default=256, help="digits models")
+    parser.add_argument("--n-test", type=int, default=None, help="digits test rows")
+    parser.add_argument("--n-toy", type=int, default=2000, help="toy test samples")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lock", default=None, help="flock this file when timing")
+    parser.add_argument("--models", default=None, help="save/reuse models here")
+    parser.add_argument("--only", choices=("digits", "toy"), default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.diffusion_steps = args.toy_diffusion_steps = 20
+        args.fm_steps = args.toy_fm_steps = 20
+        args.mle_steps = args.toy_mle_steps = 4
+        args.width, args.n_test, args.n_toy = 16, 8, 64
+
+    results = {"settings": vars(args), "data": {}}
+    sets = ("digits", "toy") if args.only is None else (args.only,)
+    for which in sets:
+        results["data"][which] = run_data_set(which, args)
+    md = report(results, args)
+    print(md)
+    if not args.quick:
+        write_results(os.path.join(args.out, "probability_flow"), results, md)
+    return results
+
+
+def run_data_set(which, args):
+    digits = which == "digits"
+    key = jr.fold_in(jr.key(args.seed), 0 if digits else 1)
+    if digits:
+        data_fn, test = digits_data()
+        if args.n_test is not None:
+            test = test[: args.n_test]
+        dim, width, batch = 64, args.width, 256
+        steps = (args.diffusion_steps, args.fm_steps, args.mle_steps)
+        estimators = ESTIMATORS
+    else:
+        data_fn, test = toy_data(args.n_toy)
+        dim, width, batch = 2, 64 if not args.quick else 16, 512
+        steps = (args.toy_diffusion_steps, args.toy_fm_steps, args.toy_mle_steps)
+        estimators = TOY_ESTIMATORS
+    schedule = cnftrace.VPSchedule()
+    out = {"models": {}}
+    print(f"{which}: {test.shape[0]} test samples, {dim} dimensions", flush=True)
+    keys = jr.split(key, 4)
+    for name, kind in (
+        ("VP diffusion", "diffusion"),
+        ("flow matching", "fm"),
+        ("CNF (maximum likelihood)", "mle"),
+    ):
+        path = (
+            None
+            if args.models is None
+            else os.path.join(args.models, f"{which}-{kind}.eqx")
+        )
+        print(f"  {name}", flush=True)
+        if kind == "diffusion":
+            like = NoiseNet(dim, width, 3, key=keys[0])
+            if path is not None and os.path.exists(path):
+                net, seconds, losses = eqx.tree_deserialise_leaves(path, like), None, []
+            else:
+                net, seconds, losses = train_diffusion(
+                    data_fn, dim, width, 3, steps[0], batch, keys[0], schedule
+                )
+            pf = cnftrace.ProbabilityFlow(net, dim, kind="noise", schedule=schedule)
+            model = net
+        else:
+            step_count = steps[1] if kind == "fm" else steps[2]
+            t1 = 1.0 if kind == "fm" else 0.5
+            like = cnftrace.mlp_flow(dim, key=keys[1], width=width, t1=t1)
+            if path is not None and os.path.exists(path):
+                flow, seconds, losses = cnftrace.load(path, like=like), None, []
+            else:
+                flow, seconds, losses = train_flow(
+                    data_fn, dim, width, step_count, batch, keys[1], kind, t1
+                )
+            pf = cnftrace.ProbabilityFlow.from_flow(flow)
+            model = flow
+        if path is not None and seconds is not None:
+            os.makedirs(args.models, exist_ok=True)
+            eqx.tree_serialise_leaves(path, model)
+        rows = evaluate(
+            pf,
+            test,
+            estimators,
+            digits=digits,
+            key=keys[3],
+            lock_path=args.lock,
+            repeats=args.repeats,
+        )
+        out["models"][name] = {
+            "train_seconds": seconds,
+            "train_losses": losses,
+            "estimates": rows,
+        }
+    if digits:
+        out["routes"] = routes(out, test.shape[0])
+    else:
+        out["entropy"] = toy_entropy(TOY)
+    return out
+
+
+def routes(data, n):
+    """For each model and estimator of the digits: the estimates (repeats) and the
+    seconds to a +-TARGET bits/dim estimate of one image and of the test set's
+    mean (the Monte Carlo part of its error), from the measured standard deviation
+    of one estimate and its seconds. A route at a loose tolerance counts only where
+    the exact trace at that tolerance is within TARGET / 2 of the tight one."""
+    out = []
+    for model, m in data["models"].items():
+        rows = m["estimates"]
+        exact_at = {
+            r["tolerance"]: r for r in rows if r["estimator"].startswith("Exact")
+        }
+        for r in rows:
+            bias = abs(exact_at[r["tolerance"]]["difference_to_exact"])
+            var = r["sd_per_estimate"] ** 2
+            one = max(1, math.ceil(var / TARGET**2))
+            whole = max(1, math.ceil(var / (n * TARGET**2)))
+            out.append(
+                {
+                    "model": model,
+                    "estimator": r["estimator"],
+                    "admissible": bias <= TARGET / 2,
+                    "tolerance_bias": bias,
+                    "sd_per_estimate": r["sd_per_estimate"],
+                    "probe_sd_per_estimate": r["probe_sd_per_estimate"],
+                    "nfe": r["nfe"],
+                    "jvps_per_estimate": r["nfe"] * r["matvecs"],
+                    "seconds_per_estimate": r["seconds_per_estimate"],
+                    "estimates_one_image": one,
+                    "seconds_one_image": one * r["seconds_per_estimate"],
+                    "estimates_test_set": whole,
+                    "seconds_test_set": whole * n * r["seconds_per_estimate"],
+                }
+            )
+    return out
+
+
+def fastest(rows, key):
+    admissible = [r for r in rows if r["admissible"]]
+    return min(admissible, key=lambda r: r[key])
+
+
+def report(results, args):
+    lines = ["# Likelihoods through the probability-flow ODE", ""]
+    env = (
+        f"{os.cpu_count()} CPU cores; seconds measured with the CPU lock held"
+        if args.lock
+        else f"{os.cpu_count()} CPU cores; seconds measured on a shared machine"
+    )
+    for which, data in results["data"].items():
+        digits = which == "digits"
+        n = next(iter(data["models"].values()))["estimates"][0]["n"]
+        if digits:
+            lines.append(
+                f"**Digits** ({n} test images, 64 dimensions, 17 levels): bits/dim "
+                "of the discrete pixels ± the test set's standard error (the "
+                "images' spread); MC s.e.: the part of it from the Monte Carlo "
+                "noise (dequantisation and probes), each image estimated "
+                f"{args.repeats} times with the same dequantisation noise for every "
+                f"estimator. {env}."
+            )
+            unit = "bits/dim"
+        else:
+            lines.append(
+                f"**{TOY}** ({n} test samples): the test NLL less the true entropy "
+                f"{data['entropy']:.4f} nats ± its standard error; stochastic "
+                f"estimates repeated {args.repeats} times. {env}."
+            )
+            unit = "NLL − entropy (nats)"
+        header = [
+            "model",
+            "estimator",
+            unit,
+            "median",
+            "MC s.e.",
+            "NFE",
+            "JVPs/eval",
+            "seconds",
+            "training",
+        ]
+        rows = []
+        for model, m in data["models"].items():
+            for i, r in enumerate(m["estimates"]):
+                value = r["mean"] - (0.0 if digits else data["entropy"])
+                train = m["train_seconds"]
+                rows.append(
+                    [
+                        model if i == 0 else "",
+                        r["estimator"],
+                        f"{value:.4f} ± {r['stderr']:.4f}",
+                        f"{r['median'] - (r['mean'] - value):.4f}",
+                        f"{r['monte_carlo_stderr']:.4f}",
+                        r["nfe"],
+                        r["matvecs"],
+                        f"{r['seconds']:.2f}",
+                        "" if i or train is None else f"{train / 60:.1f} min",
+                    ]
+                )
+        lines += ["", markdown_table(header, rows, "llrrrrrrr"), ""]
+        if not digits:
+            continue
+        table = data["routes"]
+        lines.append(
+            "The standard deviation of one estimate of one image's bits/dim (all "
+            "its Monte Carlo noise; the probes' alone beside it), its cost, and the "
+            f"estimates and seconds to ±{TARGET} bits/dim (one standard error): "
+            f"for one image, and for the Monte Carlo part of the test set's mean "
+            f"({n} images)."
+        )
+        header = [
+            "model",
+            "estimator",
+            "s.d. per estimate (probes)",
+            "NFE",
+            "JVPs",
+            "s per estimate",
+            "one image: estimates, s",
+            "test set: estimates, s",
+        ]
+        rows = []
+        for i, r in enumerate(table):
+            first = i == 0 or table[i - 1]["model"] != r["model"]
+            note = "" if r["admissible"] else " (tolerance bias)"
+            rows.append(
+                [
+                    r["model"] if first else "",
+                    r["estimator"] + note,
+                    f"{r['sd_per_estimate']:.4f} ({r['probe_sd_per_estimate']:.4f})",
+                    r["nfe"],
+                    r["jvps_per_estimate"],
+                    f"{r['seconds_per_estimate']:.4f}",
+                    f"{r['estimates_one_image']}, {r['seconds_one_image']:.2f}",
+                    f"{r['estimates_test_set']}, {r['seconds_test_set']:.1f}",
+                ]
+            )
+        lines += ["", markdown_table(header, rows, "llrrrrrr"), ""]
+        for model in data["models"]:
+            mine = [r for r in table if r["model"] == model]
+            one, whole = (
+                fastest(mine, "seconds_one_image"),
+                fastest(mine, "seconds_test_set"),
+            )
+            lines.append(
+                f"- {model}: fastest to ±{TARGET} bits/dim on one image: "
+                f"{one['estimator']}, {one['estimates_one_image']} estimate(s), "
+                f"{one['seconds_one_image']:.2f} s; on the test set's mean: "
+                f"{whole['estimator']}, {whole['estimates_test_set']} estimate(s) "
+                f"per image, {whole['seconds_test_set']:.1f} s."
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
