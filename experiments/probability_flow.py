@@ -15,10 +15,10 @@ Two data sets:
 
 Three models each, trained a few minutes on two CPU cores:
 
-- **VP diffusion**: a noise-prediction MLP (`eps(t, x)`, SiLU, sinusoidal features
-    of `log t`) trained with DDPM's simple loss under the VP schedule
-    (`cnftrace.VPSchedule()`, beta 0.1 to 20), times uniform on [1e-5, 1],
-    evaluated as
+- **VP diffusion**: a noise-prediction MLP (`eps(t, x) = sigma(t) x + mlp`, SiLU,
+    sinusoidal features of `log t`) trained with DDPM's simple loss under the VP
+    schedule (`cnftrace.VPSchedule()`, beta 0.1 to 20), times uniform on
+    [1e-5, 1], evaluated as
     `ProbabilityFlow(net, d, kind="noise", schedule=VPSchedule())` (truncation
     `eps = 1e-5`, standard normal prior).
 - **flow matching**: cnftrace's own `fit(..., objective="fm")` on an `mlp_flow`
@@ -45,6 +45,7 @@ Results: experiments/results/probability_flow.{json,md} (written atomically).
 import argparse
 import contextlib
 import fcntl
+import json
 import math
 import os
 import time
@@ -87,14 +88,20 @@ TARGET = 0.01  # bits/dim: the precision the digits' cheapest route is named for
 
 
 class NoiseNet(eqx.Module):
-    """`eps(t, x)`: an MLP on the sample and sinusoidal features of `log t` (the VP
-    schedule's noise changes fastest near `t = 0`, where the likelihood starts)."""
+    """`eps(t, x) = sigma(t) x + mlp(x, features of log t)`: the skip term is the
+    exact noise prediction for standard-normal data under a VP schedule, so the MLP
+    learns a correction. Without it, the probability-flow ODE of the trained model
+    diverged on some test images (near `t = 1` its drift is `-10 (x - eps)`, which
+    grows wherever the learned `eps` runs ahead of `x`): mean 3.26 bits/dim against
+    a median near 3, on 270 images."""
 
     mlp: eqx.nn.MLP
+    schedule: cnftrace.AbstractSchedule
     n_freq: int = eqx.field(static=True)
 
-    def __init__(self, dim, width, depth, *, key, n_freq=8):
+    def __init__(self, dim, width, depth, schedule, *, key, n_freq=8):
         self.n_freq = n_freq
+        self.schedule = schedule
         self.mlp = eqx.nn.MLP(
             dim + 2 * n_freq, dim, width, depth, activation=jax.nn.silu, key=key
         )
@@ -105,7 +112,8 @@ class NoiseNet(eqx.Module):
         freqs = 2.0 ** jnp.arange(self.n_freq, dtype=x.dtype)
         angles = math.pi * freqs * s
         features = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)])
-        return self.mlp(jnp.concatenate([x, features.astype(x.dtype)]))
+        out = self.mlp(jnp.concatenate([x, features.astype(x.dtype)]))
+        return self.schedule.sigma(t) * x + out
 
 
 def train_diffusion(data_fn, dim, width, depth, steps, batch, key, schedule):
@@ -118,7 +126,7 @@ def train_diffusion(data_fn, dim, width, depth, steps, batch, key, schedule):
     images (|z| near 4000 at `t = 1`; bits/dim above 1e5 for them, median 3.08),
     from fewer draws at large `t`: DDPM's uniform times are kept."""
     init_key, key = jr.split(key)
-    net = NoiseNet(dim, width, depth, key=init_key)
+    net = NoiseNet(dim, width, depth, schedule, key=init_key)
     optimizer = cnftrace.warmup_cosine_adam(steps, 1e-3)
     opt_state = optimizer.init(eqx.filter(net, eqx.is_inexact_array))
 
@@ -169,6 +177,13 @@ def train_flow(data_fn, dim, width, steps, batch, key, objective, t1):
         ),
     )
     return flow, time.perf_counter() - start, [float(v) for v in history["loss"]]
+
+
+def read_training(path):
+    """The training seconds and losses saved beside a model."""
+    with open(path + ".json") as f:
+        saved = json.load(f)
+    return saved["train_seconds"], saved["train_losses"]
 
 
 # ---------------------------------------------------------------------- the data
@@ -358,9 +373,10 @@ def run_data_set(which, args):
         )
         print(f"  {name}", flush=True)
         if kind == "diffusion":
-            like = NoiseNet(dim, width, 3, key=keys[0])
+            like = NoiseNet(dim, width, 3, schedule, key=keys[0])
             if path is not None and os.path.exists(path):
-                net, seconds, losses = eqx.tree_deserialise_leaves(path, like), None, []
+                net = eqx.tree_deserialise_leaves(path, like)
+                seconds, losses = read_training(path)
             else:
                 net, seconds, losses = train_diffusion(
                     data_fn, dim, width, 3, steps[0], batch, keys[0], schedule
@@ -372,16 +388,19 @@ def run_data_set(which, args):
             t1 = 1.0 if kind == "fm" else 0.5
             like = cnftrace.mlp_flow(dim, key=keys[1], width=width, t1=t1)
             if path is not None and os.path.exists(path):
-                flow, seconds, losses = cnftrace.load(path, like=like), None, []
+                flow = cnftrace.load(path, like=like)
+                seconds, losses = read_training(path)
             else:
                 flow, seconds, losses = train_flow(
                     data_fn, dim, width, step_count, batch, keys[1], kind, t1
                 )
             pf = cnftrace.ProbabilityFlow.from_flow(flow)
             model = flow
-        if path is not None and seconds is not None:
+        if path is not None and not os.path.exists(path):
             os.makedirs(args.models, exist_ok=True)
             eqx.tree_serialise_leaves(path, model)
+            with open(path + ".json", "w") as f:
+                json.dump({"train_seconds": seconds, "train_losses": losses}, f)
         rows = evaluate(
             pf,
             test,

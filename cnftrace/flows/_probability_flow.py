@@ -215,8 +215,6 @@ class ProbabilityFlow(AbstractFlow):
     """
 
     cnf: CNF
-    kind: str = eqx.field(static=True)
-    schedule: AbstractSchedule | None
     data_time: float
     noise_time: float
     eps: float
@@ -313,8 +311,6 @@ class ProbabilityFlow(AbstractFlow):
             )
         self.cnf = cnf.with_base(prior)
         _check_model_shape(model, self.cnf.shape, kind)
-        self.kind = kind
-        self.schedule = schedule
         self.data_time = float(data_time)
         self.noise_time = float(noise_time)
         self.eps = float(eps)
@@ -372,6 +368,18 @@ class ProbabilityFlow(AbstractFlow):
     def model(self):
         """The model the flow was built from."""
         return self.cnf.vector_field.model
+
+    @property
+    def kind(self) -> str:
+        """What the model predicts: `"velocity"`, `"score"`, `"noise"` or
+        `"data"`."""
+        return self.cnf.vector_field.kind
+
+    @property
+    def schedule(self) -> AbstractSchedule | None:
+        """The schedule of a score, noise or data model (`None` for a velocity
+        model)."""
+        return self.cnf.vector_field.schedule
 
     @property
     def base(self) -> AbstractBase:
