@@ -63,7 +63,7 @@ import numpy as np
 
 import cnftrace
 from cnftrace.datasets import load_digits, toy_entropy, toy_sample
-from experiments._common import RESULTS, markdown_table, write_results
+from experiments._common import RESULTS, atomic_write, environment, markdown_table
 
 DIGIT_LEVELS = 17
 TOY = "8gaussians"
@@ -85,6 +85,12 @@ TOY_ESTIMATORS = (
     ("Hutchinson (1 probe)", cnftrace.Hutchinson(1), TOL),
     ("Hutch++ (3)", cnftrace.HutchPlusPlus(3, "rademacher"), TOL),
     ("XTrace (4)", cnftrace.XTrace(4, "rademacher"), TOL),
+)
+MODEL_ORDER = (
+    "VP diffusion, noise model as trained",
+    "VP diffusion",
+    "flow matching",
+    "CNF (maximum likelihood)",
 )
 TARGET = 0.01  # bits/dim: the precision the digits' cheapest route is named for
 
@@ -339,11 +345,32 @@ def main(argv=None):
     parser.add_argument("--n-toy", type=int, default=2000, help="toy test samples")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lock", default=None, help="flock this file when timing")
+    parser.add_argument(
+        "--held",
+        action="store_true",
+        help="the whole run holds the CPU lock (started under flock): say so",
+    )
     parser.add_argument("--models", default=None, help="save/reuse models here")
     parser.add_argument("--only", choices=("digits", "toy"), default=None)
+    parser.add_argument(
+        "--kinds",
+        default="diffusion,fm,mle",
+        help="the models to evaluate, a comma list of diffusion, fm, mle",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other data sets' and models' figures of an earlier "
+        "results file (a run split into parts)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the markdown report from the results file",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.diffusion_steps = args.toy_diffusion_steps = 20
@@ -351,18 +378,50 @@ def main(argv=None):
         args.mle_steps = args.toy_mle_steps = 4
         args.width, args.n_test, args.n_toy = 16, 8, 64
 
-    results = {"settings": vars(args), "data": {}}
+    kinds = tuple(k.strip() for k in args.kinds.split(","))
+    if not kinds or set(kinds) - {"diffusion", "fm", "mle"}:
+        parser.error(f"--kinds takes diffusion, fm, mle; got {args.kinds!r}")
+    stem = os.path.join(args.out, "probability_flow")
+    if args.report_only:
+        with open(stem + ".json") as f:
+            md = report(json.load(f))
+        print(md)
+        atomic_write(stem + ".md", md.encode())
+        return None
+    results = {"data": {}}
+    if args.merge and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            results = json.load(f)
+        results.pop("environment", None)
     sets = ("digits", "toy") if args.only is None else (args.only,)
     for which in sets:
-        results["data"][which] = run_data_set(which, args)
-    md = report(results, args)
+        # Each data set keeps the settings it was run with (a split run's parts
+        # may differ in them: they are reported beside its tables).
+        settings = dict(vars(args), kinds=list(kinds))
+        new = run_data_set(which, args, kinds)
+        old = results["data"].get(which, {}) if args.merge else {}
+        models = dict(old.get("models", {}))
+        models.update(new["models"])
+        models = {name: models[name] for name in MODEL_ORDER if name in models}
+        merged = {**old, **new, "models": models}
+        merged["settings"] = dict(
+            old.get("settings", {}), **{kind: settings for kind in kinds}
+        )
+        if which == "digits":
+            merged["routes"] = routes(merged, new["n"])
+        results["data"][which] = merged
+    if not args.quick:
+        # The figures first: the report is rebuilt from them by --report-only.
+        payload = dict(results, environment=environment())
+        atomic_write(stem + ".json", json.dumps(payload, indent=2).encode())
+    md = report(results)
     print(md)
     if not args.quick:
-        write_results(os.path.join(args.out, "probability_flow"), results, md)
+        atomic_write(stem + ".md", md.encode())
     return results
 
 
-def run_data_set(which, args):
+def run_data_set(which, args, kinds):
     digits = which == "digits"
     key = jr.fold_in(jr.key(args.seed), 0 if digits else 1)
     if digits:
@@ -378,7 +437,7 @@ def run_data_set(which, args):
         steps = (args.toy_diffusion_steps, args.toy_fm_steps, args.toy_mle_steps)
         estimators = TOY_ESTIMATORS
     schedule = cnftrace.VPSchedule()
-    out = {"models": {}}
+    out = {"models": {}, "n": int(test.shape[0])}
     print(f"{which}: {test.shape[0]} test samples, {dim} dimensions", flush=True)
     keys = jr.split(key, 4)
     for name, kind in (
@@ -386,12 +445,15 @@ def run_data_set(which, args):
         ("flow matching", "fm"),
         ("CNF (maximum likelihood)", "mle"),
     ):
+        if kind not in kinds:
+            continue
         path = (
             None
             if args.models is None
             else os.path.join(args.models, f"{which}-{kind}.eqx")
         )
         print(f"  {name}", flush=True)
+        loaded = path is not None and os.path.exists(path)
         if kind == "diffusion":
             like = NoiseNet(dim, width, 3, schedule, key=keys[0])
             if path is not None and os.path.exists(path):
@@ -437,6 +499,8 @@ def run_data_set(which, args):
                 )
             pf = cnftrace.ProbabilityFlow.from_flow(flow)
             model = flow
+            if kind == "fm":
+                out["fm_check"] = fm_check(flow, test, digits, keys[3])
         if path is not None and not os.path.exists(path):
             os.makedirs(args.models, exist_ok=True)
             eqx.tree_serialise_leaves(path, model)
@@ -454,12 +518,55 @@ def run_data_set(which, args):
         out["models"][name] = {
             "train_seconds": seconds,
             "train_losses": losses,
+            "loaded": loaded,
             "estimates": rows,
         }
-    if digits:
-        out["routes"] = routes(out, test.shape[0])
-    else:
+    if not digits:
         out["entropy"] = toy_entropy(TOY)
+    return out
+
+
+def fm_check(flow, test, digits, key):
+    """The ODE likelihood of cnftrace's own flow-matching model against
+    `flow.log_prob` of the same field (exact trace, rtol = atol = TOL), on the test
+    points in the model's units (digits dequantised once with `key`): through
+    `ProbabilityFlow.from_flow`, and through the field passed as a plain callable
+    in the other time convention (data at 1, noise at 0, the velocity negated)."""
+    x = jnp.asarray(test, jnp.float32)
+    if digits:
+        u = jr.uniform(key, x.shape, x.dtype)
+        x = -1 + 2 * (x + u) / DIGIT_LEVELS
+    flow = flow.with_estimator(cnftrace.Exact()).with_tolerance(TOL, TOL)
+    field, args = flow.vector_field, flow.args
+    t0, t1 = float(flow.t0), float(flow.t1)
+    reversed_pf = cnftrace.ProbabilityFlow(
+        lambda t, y: -(t1 - t0) * field(t0 + (t1 - t0) * (1 - t), y, args),
+        flow.shape,
+        kind="velocity",
+        data_time=1.0,
+        noise_time=0.0,
+        prior=flow.base,
+        rtol=TOL,
+        atol=TOL,
+    )
+    expected = np.asarray(flow.log_prob(x), np.float64)
+    out = {"n": int(x.shape[0]), "dtype": str(x.dtype), "tolerance": TOL}
+    for name, pf in (
+        ("from_flow", cnftrace.ProbabilityFlow.from_flow(flow)),
+        ("plain callable, data at t = 1", reversed_pf),
+    ):
+        diff = np.asarray(pf.log_prob(x), np.float64) - expected
+        out[name] = {
+            "max_abs_difference": float(np.max(np.abs(diff))),
+            "mean_difference": float(np.mean(diff)),
+        }
+        print(
+            f"    fm check, {name}: max |log p - flow.log_prob| "
+            f"{out[name]['max_abs_difference']:.3g} nats "
+            f"(log p mean {expected.mean():.3f})",
+            flush=True,
+        )
+    out["flow_log_prob_mean"] = float(expected.mean())
     return out
 
 
@@ -505,31 +612,72 @@ def fastest(rows, key):
     return min(admissible, key=lambda r: r[key])
 
 
-def report(results, args):
+def timing_note(settings):
+    """How the seconds of a run were measured, from its settings."""
+    cores = f"{os.cpu_count()} CPU cores"
+    if settings.get("lock") or settings.get("held"):
+        return f"{cores}; seconds measured with the shared CPU lock held"
+    return f"{cores}; seconds measured on a shared machine"
+
+
+def settings_note(which, data):
+    """One sentence per model: its training steps and how it was evaluated."""
+    steps_of = {
+        "digits": {
+            "diffusion": "diffusion_steps",
+            "fm": "fm_steps",
+            "mle": "mle_steps",
+        },
+        "toy": {
+            "diffusion": "toy_diffusion_steps",
+            "fm": "toy_fm_steps",
+            "mle": "toy_mle_steps",
+        },
+    }[which]
+    names = {"diffusion": "VP diffusion", "fm": "flow matching", "mle": "CNF (MLE)"}
+    parts = []
+    for kind, settings in data.get("settings", {}).items():
+        loaded = (
+            data["models"]
+            .get(
+                {"diffusion": "VP diffusion", "fm": "flow matching"}.get(
+                    kind, "CNF (maximum likelihood)"
+                ),
+                {},
+            )
+            .get("loaded")
+        )
+        parts.append(
+            f"{names[kind]}: {settings[steps_of[kind]]} training steps"
+            + (" (trained by an earlier run, loaded)" if loaded else "")
+            + f", {settings['repeats']} estimates per sample; "
+            + timing_note(settings)
+        )
+    return "; ".join(parts) + "."
+
+
+def report(results):
     lines = ["# Likelihoods through the probability-flow ODE", ""]
-    env = (
-        f"{os.cpu_count()} CPU cores; seconds measured with the CPU lock held"
-        if args.lock
-        else f"{os.cpu_count()} CPU cores; seconds measured on a shared machine"
-    )
     for which, data in results["data"].items():
         digits = which == "digits"
-        n = next(iter(data["models"].values()))["estimates"][0]["n"]
+        n = data["n"]
+        repeats = max(s["repeats"] for s in data["settings"].values())
+        env = settings_note(which, data)
         if digits:
             lines.append(
                 f"**Digits** ({n} test images, 64 dimensions, 17 levels): bits/dim "
                 "of the discrete pixels ± the test set's standard error (the "
                 "images' spread); MC s.e.: the part of it from the Monte Carlo "
                 "noise (dequantisation and probes), each image estimated "
-                f"{args.repeats} times with the same dequantisation noise for every "
-                f"estimator. {env}."
+                f"{repeats} times with the same dequantisation noise for every "
+                f"estimator. {env}"
             )
             unit = "bits/dim"
         else:
             lines.append(
                 f"**{TOY}** ({n} test samples): the test NLL less the true entropy "
                 f"{data['entropy']:.4f} nats ± its standard error; stochastic "
-                f"estimates repeated {args.repeats} times. {env}."
+                f"estimates repeated {repeats} times. {env}"
             )
             unit = "NLL − entropy (nats)"
         header = [
@@ -562,6 +710,21 @@ def report(results, args):
                     ]
                 )
         lines += ["", markdown_table(header, rows, "llrrrrrrr"), ""]
+        check = data.get("fm_check")
+        if check is not None:
+            lines.append(
+                "The ODE likelihood of cnftrace's own flow-matching model against "
+                "`flow.log_prob` of the same field (exact trace, rtol = atol = "
+                f"{check['tolerance']:g}, {check['dtype']}, {check['n']} points, "
+                f"mean log-density {check['flow_log_prob_mean']:.3f} nats): the "
+                "largest difference is "
+                f"{check['from_flow']['max_abs_difference']:.2g} nats through "
+                "`ProbabilityFlow.from_flow`, and "
+                f"{check['plain callable, data at t = 1']['max_abs_difference']:.2g} "
+                "nats through the field passed as a plain callable in the other "
+                "time convention (data at 1, noise at 0, the velocity negated)."
+            )
+            lines.append("")
         if not digits:
             continue
         table = data["routes"]
