@@ -44,7 +44,19 @@ heavy jobs), figures of quality without it.
     python -m experiments.probability_flow --lock /tmp/cnftrace-cpu.lock
     python -m experiments.probability_flow --quick   # a smoke run, seconds
 
-Results: experiments/results/probability_flow.{json,md} (written atomically).
+On a shared machine the run goes in parts, each under the lock (`--held` says so in
+the report), the models kept in a folder (`--models`) and each part's figures
+merged into the results file (`--merge`):
+
+    flock LOCK python -m experiments.probability_flow --only toy --n-toy 1000 \
+        --models DIR --held --merge
+    flock LOCK python -m experiments.probability_flow --only digits --n-test 96 \
+        --kinds diffusion --models DIR --held --merge
+    flock LOCK python -m experiments.probability_flow --only digits --n-test 96 \
+        --kinds fm,mle --models DIR --held --merge
+
+Results: experiments/results/probability_flow.{json,md} (written atomically; the
+report is rebuilt from the JSON by `--report-only`).
 """
 
 import argparse
@@ -621,44 +633,36 @@ def timing_note(settings):
 
 
 def settings_note(which, data):
-    """One sentence per model: its training steps and how it was evaluated."""
-    steps_of = {
-        "digits": {
-            "diffusion": "diffusion_steps",
-            "fm": "fm_steps",
-            "mle": "mle_steps",
-        },
-        "toy": {
-            "diffusion": "toy_diffusion_steps",
-            "fm": "toy_fm_steps",
-            "mle": "toy_mle_steps",
-        },
-    }[which]
-    names = {"diffusion": "VP diffusion", "fm": "flow matching", "mle": "CNF (MLE)"}
+    """The models' training steps (and which were loaded from an earlier run) and
+    how the seconds were measured, from the settings each part ran with."""
+    steps_of = {"diffusion": "diffusion_steps", "fm": "fm_steps", "mle": "mle_steps"}
+    names = {
+        "diffusion": "VP diffusion",
+        "fm": "flow matching",
+        "mle": "CNF (maximum likelihood)",
+    }
     parts = []
     for kind, settings in data.get("settings", {}).items():
-        loaded = (
-            data["models"]
-            .get(
-                {"diffusion": "VP diffusion", "fm": "flow matching"}.get(
-                    kind, "CNF (maximum likelihood)"
-                ),
-                {},
-            )
-            .get("loaded")
-        )
+        option = steps_of[kind] if which == "digits" else "toy_" + steps_of[kind]
+        loaded = data["models"].get(names[kind], {}).get("loaded")
         parts.append(
-            f"{names[kind]}: {settings[steps_of[kind]]} training steps"
+            f"{names[kind]} {settings[option]}"
             + (" (trained by an earlier run, loaded)" if loaded else "")
-            + f", {settings['repeats']} estimates per sample; "
-            + timing_note(settings)
         )
-    return "; ".join(parts) + "."
+    timing = {timing_note(s) for s in data.get("settings", {}).values()}
+    return f"Training steps: {', '.join(parts)}. {'; '.join(sorted(timing))}."
 
 
 def report(results):
-    lines = ["# Likelihoods through the probability-flow ODE", ""]
-    for which, data in results["data"].items():
+    lines = [
+        "Written by `python -m experiments.probability_flow` (the commands of each "
+        "part: docs/likelihoods.md).",
+        "",
+    ]
+    for which in ("digits", "toy"):
+        if which not in results["data"]:
+            continue
+        data = results["data"][which]
         digits = which == "digits"
         n = data["n"]
         repeats = max(s["repeats"] for s in data["settings"].values())
