@@ -1,6 +1,7 @@
 """Flows: the base class every flow derives from, base distributions (and their fit
-to training rows), the CNF block, chains of blocks, the multiscale image model and
-flows in a data file's units."""
+to training rows), the CNF block, chains of blocks, the multiscale image model,
+flows in a data file's units, and the probability-flow ODE of diffusion and
+flow-matching models trained elsewhere (with their noise schedules)."""
 
 from ._base import AbstractFlow as AbstractFlow
 from ._base_fit import (
@@ -20,6 +21,7 @@ from ._cnf import CNF as CNF
 from ._distributions import (
     AbstractBase as AbstractBase,
     GaussianMixture as GaussianMixture,
+    Normal as Normal,
     StandardNormal as StandardNormal,
     StudentT as StudentT,
     StudentTMixture as StudentTMixture,
@@ -31,7 +33,20 @@ from ._multiscale import (
     squeeze as squeeze,
     unsqueeze as unsqueeze,
 )
+from ._probability_flow import (
+    MODEL_KINDS as MODEL_KINDS,
+    LikelihoodEstimate as LikelihoodEstimate,
+    ProbabilityFlow as ProbabilityFlow,
+)
 from ._programs import SolverError as SolverError
+from ._schedules import (
+    AbstractSchedule as AbstractSchedule,
+    CosineSchedule as CosineSchedule,
+    LinearSchedule as LinearSchedule,
+    SubVPSchedule as SubVPSchedule,
+    VESchedule as VESchedule,
+    VPSchedule as VPSchedule,
+)
 from ._standardized import (
     Standardization as Standardization,
     StandardizedFlow as StandardizedFlow,

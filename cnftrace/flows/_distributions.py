@@ -613,3 +613,77 @@ def _span(values: np.ndarray) -> str:
         if math.isclose(low, high, rel_tol=5e-3)
         else (f"{low:.3g} to {high:.3g}")
     )
+
+
+class Normal(AbstractBase):
+    """An isotropic Gaussian `N(loc, scale^2 I)` over samples of shape `shape`: one
+    location and one scale shared by every coordinate (the scale kept positive as
+    `exp(log_scale)`). The prior of a diffusion model at its noise end: the standard
+    normal of a VP schedule, or the wide `N(0, sigma_max^2 I)` of a VE one.
+
+    **Arguments:**
+
+    - `shape`: the shape of one sample, an int `d` or a tuple.
+    - `loc`, `scale`: the location and the positive scale, scalars.
+    - `trainable`: whether `fit` trains them (`False` by default: a prior is fixed).
+    - `dtype`: the parameters' dtype (JAX's default float if omitted).
+
+    !!! example
+
+        ```python
+        prior = cnftrace.Normal(2, scale=50.0)
+        print(prior.log_prob(jnp.zeros(2)))  # -log(2 pi 50^2), about -9.66
+        ```
+    """
+
+    loc: Float[Array, ""]
+    log_scale: Float[Array, ""]
+    shape: tuple[int, ...] = eqx.field(static=True)
+    trainable: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        shape: int | tuple[int, ...],
+        *,
+        loc=0.0,
+        scale=1.0,
+        trainable: bool = False,
+        dtype=None,
+    ):
+        loc, scale = (np.asarray(v, np.float64) for v in (loc, scale))
+        if loc.ndim or scale.ndim:
+            raise ValueError(
+                "`loc` and `scale` of `Normal` must be scalars (one for every "
+                "coordinate); for one per coordinate use `cnftrace.GaussianMixture` "
+                "with one component and `covariance='diag'`."
+            )
+        _check_finite("loc", loc)
+        _check_positive_finite("scale", scale)
+        dtype = _dtype(dtype)
+        self.shape = _event_shape(shape)
+        self.loc = jnp.asarray(loc, dtype)
+        self.log_scale = jnp.asarray(np.log(scale), dtype)
+        self.trainable = _check_bool("trainable", trainable)
+
+    @property
+    def scale(self) -> Float[Array, ""]:
+        """The scale, `exp(log_scale)`."""
+        return jnp.exp(self.log_scale)
+
+    def _log_prob(self, z):
+        axes = tuple(range(1, z.ndim))
+        size = math.prod(z.shape[1:])
+        u = (z - self.loc) * jnp.exp(-self.log_scale)
+        return (
+            -0.5 * jnp.sum(u**2, axis=axes)
+            - size * self.log_scale
+            - 0.5 * size * math.log(2 * math.pi)
+        )
+
+    def _sample(self, key, n, dtype):
+        eps = jr.normal(key, (n, *self.shape), dtype)
+        return self.loc + jnp.exp(self.log_scale) * eps
+
+    def describe(self) -> str:
+        loc, scale = float(self.loc), float(jnp.exp(self.log_scale))
+        return f"isotropic normal (loc {loc:.3g}, scale {scale:.3g})"

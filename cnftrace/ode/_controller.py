@@ -75,7 +75,10 @@ def initial_step(
     f0 = lax.stop_gradient(f0)
     d0 = max_rms_norm(z0 / scale)
     d1 = max_rms_norm(f0 / scale)
-    h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
+    span = jnp.abs(t_end - t_start)
+    # The trial step stays inside the span: beyond it a field may be singular (a
+    # diffusion model's probability-flow drift at t = 0, where sigma vanishes).
+    h0 = jnp.minimum(jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1), span)
     z1 = z0 + direction * h0 * f0
     f1 = lax.stop_gradient(field.vf(t_start + direction * h0, z1, args))
     d2 = max_rms_norm((f1 - f0) / scale) / h0
@@ -84,6 +87,5 @@ def initial_step(
         jnp.maximum(1e-6, h0 * 1e-3),
         (0.01 / jnp.maximum(d1, d2)) ** (1.0 / (order + 1)),
     )
-    span = jnp.abs(t_end - t_start)
     h = jnp.minimum(jnp.minimum(100 * h0, h1), span)
     return lax.stop_gradient(direction * h)

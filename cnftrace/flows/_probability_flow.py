@@ -1,0 +1,661 @@
+"""The likelihood of a diffusion or flow-matching model trained elsewhere, through
+its probability-flow ODE.
+
+A model of any of four kinds gives the ODE whose flow carries the data distribution
+to the prior, with the marginal densities of the training process at every time:
+
+- a velocity model `v(t, x)` (flow matching, rectified flow, stochastic
+    interpolants): `dx/dt = v(t, x)`;
+- a score model `s(t, x) = grad log p_t(x)` with its schedule
+    `x_t = alpha(t) x_0 + sigma(t) e`: `dx/dt = f x - g^2 s / 2`, with
+    `f = alpha'/alpha` and `g^2 = 2 sigma sigma' - 2 f sigma^2`;
+- a noise-prediction model `eps(t, x)`, whose score is `-eps / sigma`:
+    `dx/dt = f x + (sigma' - f sigma) eps`;
+- a data-prediction model `x0(t, x)`, whose noise is `(x - alpha x0) / sigma`:
+    `dx/dt = (sigma'/sigma) x + (alpha' - alpha sigma'/sigma) x0`.
+
+`ProbabilityFlow` turns that ODE into a [`CNF`][cnftrace.CNF] block over the prior at
+the noise end, so that every estimator, solver, adjoint and method of the flows
+applies unchanged. Its time runs from the data end (plus the truncation `eps`) to the
+noise end, whatever the model's own convention.
+"""
+
+import math
+from typing import Literal
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jaxtyping import Array, Float
+
+from .._checks import check_int, is_number
+from .._custom_types import Key
+from ..estimators import AbstractEstimator
+from ._base import AbstractFlow
+from ._cnf import CNF
+from ._distributions import AbstractBase, Normal, StandardNormal
+from ._estimates import (
+    LikelihoodEstimate,
+    check_in_range,
+    data_scaling,
+    dequantized_bits,
+    make_estimate,
+)
+from ._inputs import need_key, tracing, validate_input
+from ._programs import log_prob_program, raise_on_failure
+from ._schedules import AbstractSchedule
+
+ModelKind = Literal["velocity", "score", "noise", "data"]
+MODEL_KINDS = ("velocity", "score", "noise", "data")
+
+# The truncation of a diffusion model's interval at the data end: score_sde's
+# likelihood default.
+DEFAULT_DIFFUSION_EPS = 1e-5
+
+# How many times of `[eps, t_end]` the schedule is checked at, ends included.
+_GRID = 1025
+
+
+def check_model_output(out, x, kind: str):
+    """The model's output `out` for one sample `x`, checked when traced (at no
+    run-time cost): an array of `x`'s shape and dtype."""
+    shape = getattr(out, "shape", None)
+    dtype = getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"the {kind} model must return an array shaped like its input `x`; it "
+            f"returned {type(out).__name__}."
+        )
+    if tuple(shape) != tuple(x.shape):
+        raise ValueError(
+            f"the {kind} model returned shape {tuple(shape)} for one sample of shape "
+            f"{tuple(x.shape)}; it is called on one sample `x` and a scalar `t`, and "
+            "must return an array of `x`'s shape. A model written for batches can be "
+            "wrapped as `lambda t, x: net(t[None], x[None])[0]`."
+        )
+    if dtype != x.dtype:
+        raise TypeError(
+            f"the {kind} model returned dtype {dtype} for a sample of dtype "
+            f"{x.dtype}; return the sample's dtype, e.g. "
+            "`lambda t, x: net(t, x).astype(x.dtype)`, or give the flow data of the "
+            "model's dtype."
+        )
+    return out
+
+
+class _Drift(eqx.Module):
+    """The probability-flow ODE as a [`CNF`][cnftrace.CNF]'s vector field
+    `f(tau, x, args)`, on the CNF's time `tau`: the model's time is
+    `t = data_time + direction * tau`, so the CNF always runs from the data end
+    (`tau = eps`) to the noise end."""
+
+    model: object
+    kind: str = eqx.field(static=True)
+    schedule: AbstractSchedule | None
+    data_time: float
+    direction: int = eqx.field(static=True)
+
+    def drift(self, t, x):
+        """`dx/dt` at the model's time `t` for one sample `x`."""
+        out = check_model_output(self.model(t, x), x, self.kind)
+        if self.kind == "velocity":
+            return out
+        schedule = self.schedule
+        alpha, sigma = schedule.alpha(t), schedule.sigma(t)
+        d_alpha, d_sigma = schedule.derivatives(t)
+        if self.kind == "data":
+            rate = d_sigma / sigma
+            coeff_x, coeff_out = rate, d_alpha - rate * alpha
+        else:
+            f = d_alpha / alpha
+            coeff_x = f
+            if self.kind == "score":  # -g^2 / 2 = -(sigma sigma' - f sigma^2)
+                coeff_out = -(sigma * d_sigma - f * sigma**2)
+            else:  # noise: the score is -eps / sigma
+                coeff_out = d_sigma - f * sigma
+        return jnp.asarray(coeff_x, x.dtype) * x + jnp.asarray(coeff_out, x.dtype) * out
+
+    def __call__(self, tau, x, args):
+        del args
+        t = self.data_time + self.direction * tau
+        out = self.drift(jnp.asarray(t, x.dtype), x)
+        return out if self.direction == 1 else -out
+
+
+class _WithArgs(eqx.Module):
+    """A vector field `f(t, z, args)` called as a model `v(t, x)`."""
+
+    field: object
+    args: object
+
+    def __call__(self, t, x):
+        return self.field(t, x, self.args)
+
+
+class ProbabilityFlow(AbstractFlow):
+    r"""The probability-flow ODE of a diffusion or flow-matching model trained
+    elsewhere, as a flow: its exact likelihood (`log_prob`), samples, and bits per
+    dimension of discrete data, through any trace estimator.
+
+    The model is any JAX callable `model(t, x)` on *one* sample `x` (shape `dim`)
+    and a scalar time `t` of `x`'s dtype, returning an array of `x`'s shape:
+
+    - an equinox Module, or a plain function: `model(t, x)`;
+    - a flax model: `jax.tree_util.Partial(lambda params, t, x: net.apply(params, t,
+        x), params)`, so that its parameters are leaves (gradients reach them);
+    - a model written for batches: `lambda t, x: net(t[None], x[None])[0]`;
+    - a model fed another time (DDPM's step index `i = 1000 t`, a VE model's noise
+        level): `lambda t, x: net(1000 * t, x)`.
+
+    Its `kind` says what it predicts:
+
+    - `"velocity"`: `dx/dt = v(t, x)` of flow matching, rectified flow, OT-CFM or a
+        stochastic interpolant, in the model's own time: data at `data_time`, noise
+        at `noise_time` (0 and 1 by default; facebookresearch/flow_matching and
+        torchcfm put data at 1: pass `data_time=1.0, noise_time=0.0`). No schedule.
+    - `"score"`: `grad_x log p_t(x)`, with its `schedule` (data at `t = 0`);
+    - `"noise"`: the noise `eps` of `x_t = alpha x_0 + sigma eps` (score
+        `-eps / sigma`), with its `schedule`;
+    - `"data"`: the clean data `x_0` (DDPM's x-prediction), with its `schedule`.
+
+    The flow's block is a [`CNF`][cnftrace.CNF] whose vector field is the
+    probability-flow drift and whose base is the `prior`: `log_prob(x)` is
+    `log p_eps(x)`, the density of the training process's marginal at the truncated
+    data end, `sample` draws the prior and integrates back to it, and every method
+    of [`AbstractFlow`][cnftrace.AbstractFlow], `jit`, `vmap` and gradients work as
+    for any flow (the checkpointed adjoint bounds the memory of a gradient).
+
+    **Arguments:**
+
+    - `model`: the model, as above.
+    - `dim`: the size of one sample, or its shape (a tuple, for images).
+    - `kind`: `"velocity"`, `"score"`, `"noise"` or `"data"`.
+    - `schedule`: for score, noise and data models, their
+        [`AbstractSchedule`][cnftrace.AbstractSchedule]
+        ([`VPSchedule`][cnftrace.VPSchedule],
+        [`SubVPSchedule`][cnftrace.SubVPSchedule],
+        [`VESchedule`][cnftrace.VESchedule],
+        [`CosineSchedule`][cnftrace.CosineSchedule],
+        [`LinearSchedule`][cnftrace.LinearSchedule] or one of your own); the ODE
+        runs over `[eps, schedule.t_end]`. `sigma` must stay positive on that
+        interval, and for score and noise models `alpha` too (their drift divides
+        by it): checked on a grid of 1025 times.
+    - `data_time`, `noise_time`: a velocity model's times of the data and of the
+        noise (0 and 1 by default).
+    - `eps`: the truncation of the interval at the data end: the ODE starts at
+        `data_time + eps` (towards the noise). By default `1e-5` for score, noise
+        and data models (score_sde's; the score diverges at `t = 0` where `sigma`
+        vanishes), `0` for velocity models. It must lie in `(0, T)` for diffusion
+        models and `[0, T)` for velocity models, `T` the interval's length.
+    - `prior`: the distribution at the noise end, an
+        [`AbstractBase`][cnftrace.AbstractBase]. By default the standard normal,
+        except for a schedule whose `prior_scale()` is not 1:
+        [`Normal`][cnftrace.Normal]`(dim, scale=schedule.prior_scale())`, e.g.
+        VE's `N(0, sigma_max^2 I)`. The marginal at the noise end differs from it
+        by the data's share `alpha(T) x_0` (and for VE by `sigma_min`): its effect
+        on `log_prob` is documented on the page "Likelihoods of diffusion and
+        flow-matching models".
+    - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`, `dt0`,
+        `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF]
+        (Tsit5 at `rtol = atol = 1e-5`, the checkpointed adjoint and the exact trace
+        by default).
+
+    !!! example
+
+        ```python
+        # The exact score of N(0, I) data under the VP schedule is -x at all times.
+        pf = cnftrace.ProbabilityFlow(
+            lambda t, x: -x, 2, kind="score", schedule=cnftrace.VPSchedule()
+        )
+        print(pf.log_prob(jnp.zeros(2)))  # about -1.8379 = log N(0; 0, I)
+        ```
+    """
+
+    cnf: CNF
+    data_time: float
+    noise_time: float
+    eps: float
+
+    def __init__(
+        self,
+        model,
+        dim: int | tuple[int, ...],
+        *,
+        kind: ModelKind,
+        schedule: AbstractSchedule | None = None,
+        data_time: float | None = None,
+        noise_time: float | None = None,
+        eps: float | None = None,
+        prior: AbstractBase | None = None,
+        solver: diffrax.AbstractSolver | None = None,
+        rtol: float = 1e-5,
+        atol: float = 1e-5,
+        adjoint: diffrax.AbstractAdjoint | None = None,
+        estimator: AbstractEstimator | None = None,
+        max_steps: int = 4096,
+        dt0: float | None = None,
+        pcoeff: float = 0.4,
+        icoeff: float = 0.3,
+    ):
+        if not callable(model):
+            raise TypeError(
+                "`model` must be callable as `model(t, x)` on one sample; got "
+                f"{type(model).__name__}."
+            )
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"`kind` must be one of {MODEL_KINDS}; got {kind!r}.")
+        if kind == "velocity":
+            if schedule is not None:
+                raise ValueError(
+                    "a velocity model's ODE is its velocity: it takes no `schedule`. "
+                    "Give its time convention with `data_time` and `noise_time`."
+                )
+            data_time = 0.0 if data_time is None else data_time
+            noise_time = 1.0 if noise_time is None else noise_time
+            for name, value in (("data_time", data_time), ("noise_time", noise_time)):
+                if not (is_number(value) and math.isfinite(value)):
+                    raise ValueError(
+                        f"`{name}` must be a finite number; got {value!r}."
+                    )
+            if data_time == noise_time:
+                raise ValueError(
+                    f"`data_time` and `noise_time` must differ; got both {data_time!r}."
+                )
+            eps = 0.0 if eps is None else eps
+        else:
+            if not isinstance(schedule, AbstractSchedule):
+                raise TypeError(
+                    f"a {kind} model needs its noise `schedule`, e.g. "
+                    "`schedule=cnftrace.VPSchedule()` (an AbstractSchedule); got "
+                    f"{type(schedule).__name__}."
+                )
+            if data_time is not None or noise_time is not None:
+                raise ValueError(
+                    f"a {kind} model's times are its schedule's (data at 0, noise at "
+                    "`schedule.t_end`): `data_time` and `noise_time` are for "
+                    "velocity models. Wrap a model fed another time, e.g. "
+                    "`lambda t, x: net(1000 * t, x)`."
+                )
+            data_time, noise_time = 0.0, schedule.t_end
+            eps = DEFAULT_DIFFUSION_EPS if eps is None else eps
+        length = abs(noise_time - data_time)
+        _check_eps(eps, length, kind)
+        if schedule is not None and not tracing(schedule):
+            _check_schedule(schedule, kind, eps)
+        direction = 1 if noise_time > data_time else -1
+        drift = _Drift(model, kind, schedule, float(data_time), direction)
+        cnf = CNF(
+            drift,
+            dim,
+            t0=float(eps),
+            t1=float(length),
+            solver=solver,
+            rtol=rtol,
+            atol=atol,
+            adjoint=adjoint,
+            estimator=estimator,
+            max_steps=max_steps,
+            dt0=dt0,
+            pcoeff=pcoeff,
+            icoeff=icoeff,
+        )
+        if prior is None:
+            scale = 1.0 if schedule is None else schedule.prior_scale()
+            prior = (
+                StandardNormal(cnf.shape)
+                if scale == 1
+                else Normal(cnf.shape, scale=scale)
+            )
+        self.cnf = cnf.with_base(prior)
+        _check_model_shape(model, self.cnf.shape, kind)
+        self.data_time = float(data_time)
+        self.noise_time = float(noise_time)
+        self.eps = float(eps)
+
+    @staticmethod
+    def from_flow(flow: CNF) -> "ProbabilityFlow":
+        """The velocity `ProbabilityFlow` of a cnftrace [`CNF`][cnftrace.CNF] (one
+        trained by flow matching, say): its vector field, data at `flow.t0`, noise at
+        `flow.t1`, no truncation, its base as the prior and its solver settings.
+        Its `log_prob` equals `flow.log_prob`; it adds
+        [`bits_per_dim`][cnftrace.ProbabilityFlow.bits_per_dim] and
+        [`log_prob_estimate`][cnftrace.ProbabilityFlow.log_prob_estimate].
+
+        !!! example
+
+            ```python
+            flow = cnftrace.CNF(cnftrace.MLPField(2, width=8, key=jr.key(0)), 2)
+            pf = cnftrace.ProbabilityFlow.from_flow(flow)
+            x = jnp.ones((3, 2))
+            print(pf.log_prob(x) - flow.log_prob(x))  # zeros
+            ```
+        """
+        if not isinstance(flow, CNF):
+            raise TypeError(
+                "`flow` must be one `cnftrace.CNF` block; got "
+                f"{type(flow).__name__}. For a chain, evaluate `flow.log_prob`."
+            )
+        if flow.context_dim is not None:
+            raise ValueError(
+                "a conditional flow's field depends on its context; "
+                "`ProbabilityFlow.from_flow` takes unconditional flows."
+            )
+        return ProbabilityFlow(
+            _WithArgs(flow.vector_field, flow.args),
+            flow.shape,
+            kind="velocity",
+            data_time=float(flow.t0),
+            noise_time=float(flow.t1),
+            eps=0.0,
+            prior=flow.base,
+            solver=flow.solver,
+            rtol=flow.rtol,
+            atol=flow.atol,
+            adjoint=flow.adjoint,
+            estimator=flow.estimator,
+            max_steps=flow.max_steps,
+            dt0=flow.dt0,
+            pcoeff=flow.pcoeff,
+            icoeff=flow.icoeff,
+        )
+
+    # ------------------------------------------------------------- the flow's parts
+
+    @property
+    def model(self):
+        """The model the flow was built from."""
+        return self.cnf.vector_field.model
+
+    @property
+    def kind(self) -> str:
+        """What the model predicts: `"velocity"`, `"score"`, `"noise"` or
+        `"data"`."""
+        return self.cnf.vector_field.kind
+
+    @property
+    def schedule(self) -> AbstractSchedule | None:
+        """The schedule of a score, noise or data model (`None` for a velocity
+        model)."""
+        return self.cnf.vector_field.schedule
+
+    @property
+    def base(self) -> AbstractBase:
+        """The prior at the noise end."""
+        return self.cnf.base
+
+    @property
+    def blocks(self) -> tuple[CNF]:
+        """`(cnf,)`: the one CNF block that solves the probability-flow ODE, on the
+        time `tau` from `eps` to the interval's length."""
+        return (self.cnf,)
+
+    @property
+    def event_shape(self) -> tuple[int, ...]:
+        return self.cnf.shape
+
+    def with_estimator(self, estimator: AbstractEstimator) -> "ProbabilityFlow":
+        return eqx.tree_at(lambda p: p.cnf, self, self.cnf.with_estimator(estimator))
+
+    def with_base(self, base: AbstractBase) -> "ProbabilityFlow":
+        return eqx.tree_at(lambda p: p.cnf, self, self.cnf.with_base(base))
+
+    def transform(
+        self,
+        x,
+        *,
+        inverse,
+        log_det,
+        key,
+        counter=None,
+        context=None,
+        regularize=False,
+    ):
+        return self.cnf.transform(
+            x,
+            inverse=inverse,
+            log_det=log_det,
+            key=key,
+            counter=counter,
+            context=context,
+            regularize=regularize,
+        )
+
+    def drift(self, t, x: Float[Array, "..."]) -> Float[Array, "..."]:
+        """The probability-flow ODE's right side `dx/dt` at the model's time `t`,
+        for one sample `x`.
+
+        !!! example
+
+            ```python
+            pf = cnftrace.ProbabilityFlow(
+                lambda t, x: -x, 1, kind="score", schedule=cnftrace.VPSchedule()
+            )
+            print(pf.drift(0.5, jnp.ones(1)))  # f x - g^2 s / 2 = 0 for N(0, I)
+            ```
+        """
+        x = jnp.asarray(x)
+        return self.cnf.vector_field.drift(jnp.asarray(t, x.dtype), x)
+
+    # ---------------------------------------------------------- estimates and bits
+
+    def log_prob_estimate(
+        self,
+        x: Float[Array, "n ..."],
+        *,
+        key: Key | None = None,
+        repeats: int = 1,
+    ) -> LikelihoodEstimate:
+        """`log_prob` of a batch with the Monte Carlo standard error of a stochastic
+        trace estimator: `repeats` independent estimates per sample (fresh probes
+        each, all in one solve), averaged.
+
+        **Arguments:**
+
+        - `x`: a batch of shape `(n, *event_shape)`.
+        - `key`: a PRNG key, required for a stochastic estimator.
+        - `repeats`: independent estimates per sample; at least 2 for a standard
+            error of a stochastic estimator. The exact trace needs 1.
+
+        **Returns:**
+
+        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
+        """
+        x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize=False)
+        values, stats = self._solve_repeats(x, key, repeats)
+        return make_estimate(values, stats, self, "nats", repeats, stochastic)
+
+    def bits_per_dim(
+        self,
+        x,
+        *,
+        bin_width: float | None = None,
+        data_range: tuple[float, float] | None = None,
+        model_range: tuple[float, float] | None = None,
+        key: Key | None = None,
+        repeats: int = 1,
+        dequantize: bool = True,
+    ) -> LikelihoodEstimate:
+        r"""Bits per dimension of discrete data (images, counts): the negative
+        log2-likelihood per dimension of the bin each sample falls in, bounded by
+        uniform dequantisation.
+
+        The data `x` take values on a grid of spacing `bin_width` (1 for 8-bit
+        images given as integers 0..255; 1/255 for those divided by 255). A sample's
+        bin is `[x, x + bin_width)` in each coordinate; it is dequantised as
+        `x + bin_width u`, `u ~ U[0, 1)^D`, and mapped to the model's range by the
+        affine map `y = m_lo + a (x + bin_width u - d_lo)` that sends `data_range =
+        (d_lo, d_hi)` onto `model_range = (m_lo, m_hi)`, `a = (m_hi - m_lo) /
+        (d_hi - d_lo)`. With `D` dimensions,
+
+        $$\log P(\text{bin}) \ge \mathbb{E}_u \log p_y(y) + D \log(a\,\Delta),$$
+
+        the bin's volume in the model's units, `a Delta`, counting the scaling's
+        log-determinant `D log a` and the dequantisation's `D log Delta` once,
+        here. Each draw of `u` gives $-(\log p_y(y) + D\log(a\Delta)) / (D \log
+        2)$ bits per dimension. For 8-bit integers on a model of `[-1, 1]`:
+        score_sde's `(x + u) / 256 * 2 - 1` is `bin_width=1, data_range=(0, 256),
+        model_range=(-1, 1)`; DDPM's `x / 127.5 - 1` (with `u` added) is
+        `bin_width=1, data_range=(0, 255), model_range=(-1, 1)`.
+
+        **Arguments:**
+
+        - `x`: the discrete data, shape `(n, *event_shape)`, integers or floats, in
+            the data's own units.
+        - `bin_width`: the spacing `Delta` of the data's values, in those units;
+            required.
+        - `data_range`: `(d_lo, d_hi)`, the data's interval that the affine map
+            sends onto `model_range`; every `x` must lie in it (a check that the
+            data are in their own units, not already scaled). Without it the model
+            sees the dequantised data as they are (`a = 1`).
+        - `model_range`: `(m_lo, m_hi)`, where `data_range`'s ends land in the
+            model's units (`(-1, 1)` for most image diffusion models); `data_range`
+            itself if omitted.
+        - `key`: a PRNG key: for the dequantisation noise, and the probes of a
+            stochastic estimator. The noise is drawn from the key's first half
+            (`jax.random.split(key)[0]`), so estimators given one key see the same
+            dequantised points.
+        - `repeats`: independent draws of `u` (and probes) per sample, averaged; at
+            least 2 for a standard error.
+        - `dequantize`: `False` when `x` are already dequantised (continuous values
+            in their bins); then no noise is drawn.
+
+        **Returns:**
+
+        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits per
+        dimension: `values` per sample, `mean` the data set's figure.
+
+        !!! example
+
+            ```python
+            # N(0, I) data in the model's units: its exact score under VP is -x.
+            pf = cnftrace.ProbabilityFlow(
+                lambda t, x: -x, 2, kind="score", schedule=cnftrace.VPSchedule()
+            )
+            pixels = jnp.array([[0, 255], [128, 64]], dtype=jnp.uint8)
+            bits = pf.bits_per_dim(
+                pixels, bin_width=1, data_range=(0, 256), model_range=(-1, 1),
+                key=jr.key(0), repeats=2,
+            )
+            print(bits.values, bits.stderr)  # bits/dim of each image, its s.e.
+            ```
+        """
+        size = math.prod(self.event_shape)
+        low, scale, bin_model = data_scaling(
+            x, bin_width, data_range, model_range, dequantize
+        )
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+            x = jnp.asarray(x, jnp.result_type(float))
+        x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize)
+        if data_range is not None:
+            x = check_in_range(x, data_range)
+        probe_key = key
+        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
+        if dequantize:
+            noise_key, probe_key = jr.split(key)
+            tiled = tiled + bin_width * jr.uniform(noise_key, tiled.shape, x.dtype)
+        if data_range is not None:
+            m_lo = model_range[0] if model_range is not None else data_range[0]
+            tiled = m_lo + scale * (tiled - low)
+        logp, stats = self._solve_tiled(tiled, probe_key)
+        bits = dequantized_bits(logp, size, bin_model)
+        values = bits.reshape(repeats, -1)
+        return make_estimate(values, stats, self, "bits/dim", repeats, stochastic)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _batch_and_repeats(self, x, repeats, key, dequantize):
+        """`x` checked as a batch, and whether its estimates are random; with the
+        checks of `repeats` and `key`."""
+        check_int("repeats", repeats)
+        x, unbatched = validate_input(x, self.event_shape, "x")
+        if unbatched:
+            event = ", ".join(map(str, self.event_shape))
+            raise ValueError(
+                f"`x` must be a batch of shape (n, {event}); got one sample of shape "
+                f"{self.event_shape}: pass `x[None]`."
+            )
+        stochastic = dequantize or any(e.stochastic for e in self.estimators())
+        if repeats > 1 and not stochastic:
+            raise ValueError(
+                f"`repeats={repeats}` repeats a deterministic estimate (the exact "
+                "trace, no dequantisation): pass `repeats=1`."
+            )
+        if dequantize and key is None:
+            raise ValueError(
+                "dequantisation draws uniform noise: pass `key=jax.random.key(seed)`, "
+                "or `dequantize=False` for data that are already dequantised."
+            )
+        need_key(key, self.estimators())
+        return x, stochastic
+
+    def _solve_tiled(self, tiled, key):
+        logp, stats = log_prob_program(self, tiled, key, None, False)
+        return raise_on_failure(logp, stats), stats
+
+    def _solve_repeats(self, x, key, repeats):
+        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
+        logp, stats = self._solve_tiled(tiled, key)
+        return logp.reshape(repeats, -1), stats
+
+
+def _check_eps(eps, length: float, kind: str) -> None:
+    if not is_number(eps):
+        raise TypeError(f"`eps` must be a number; got {eps!r}.")
+    low_ok = eps >= 0 if kind == "velocity" else eps > 0
+    if not (math.isfinite(eps) and low_ok and eps < length):
+        interval = f"[0, {length:g})" if kind == "velocity" else f"(0, {length:g})"
+        hint = (
+            "0 integrates the whole interval"
+            if kind == "velocity"
+            else "score_sde uses 1e-5; the score diverges where sigma vanishes"
+        )
+        raise ValueError(
+            f"`eps`, the truncation of the time interval at the data end, must lie "
+            f"in {interval} for a {kind} model (the interval's length is "
+            f"{length:g}); got {eps!r}. {hint[0].upper()}{hint[1:]}."
+        )
+
+
+def _check_schedule(schedule: AbstractSchedule, kind: str, eps: float) -> None:
+    """`sigma` (and for score and noise models `alpha`) finite and above the
+    precision of their dtype on a grid of `[eps, t_end]`: the drift divides by
+    them."""
+    t_end = float(schedule.t_end)
+    times = np.linspace(eps, t_end, _GRID)
+    grid = jnp.asarray(times)
+    names = ("sigma", "alpha") if kind in ("score", "noise") else ("sigma",)
+    for name in names:
+        values = jax.vmap(getattr(schedule, name))(grid)
+        # Zero to the schedule's own precision counts as zero: cos(pi / 2) is 6e-17.
+        tiny = float(jnp.finfo(values.dtype).eps)
+        values = np.asarray(values, np.float64)
+        bad = ~(np.isfinite(values) & (values > tiny))
+        if not bad.any():
+            continue
+        i = int(np.flatnonzero(bad)[0])
+        fix = (
+            f"raise `eps` past it (the ODE starts at t = eps = {eps:g})"
+            if name == "sigma"
+            else "end the interval before it, with the schedule's `t_end`"
+            + ("" if kind == "data" else ", or use a data-prediction model")
+        )
+        raise ValueError(
+            f"the schedule's {name}(t) is {values[i]:g} (zero to its precision) at "
+            f"t = {times[i]:.6g}, inside "
+            f"the integrated interval [eps, t_end] = [{eps:g}, {t_end:g}]; the "
+            f"probability-flow drift of a {kind} model divides by {name}(t), which "
+            f"must stay positive there: {fix}."
+        )
+
+
+def _check_model_shape(model, shape: tuple[int, ...], kind: str) -> None:
+    """The model's output shape and dtype for one sample of the default float,
+    checked without running it."""
+    dtype = jnp.result_type(float)
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    t = jax.ShapeDtypeStruct((), dtype)
+    out = eqx.filter_eval_shape(model, t, x)
+    check_model_output(out, x, kind)
