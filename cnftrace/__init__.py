@@ -22,6 +22,7 @@ from .flows import (
     AbstractFlow as AbstractFlow,
     Chain as Chain,
     GaussianMixture as GaussianMixture,
+    MeanFreeNormal as MeanFreeNormal,
     MultiscaleFlow as MultiscaleFlow,
     SolverError as SolverError,
     Standardization as Standardization,
@@ -33,6 +34,7 @@ from .flows import (
     fit_base as fit_base,
     make_flow as make_flow,
     mlp_flow as mlp_flow,
+    remove_center_of_mass as remove_center_of_mass,
     squeeze as squeeze,
     unsqueeze as unsqueeze,
 )
@@ -41,15 +43,20 @@ from .nets import (
     ConcatSquashLinear as ConcatSquashLinear,
     ConcatSquashMLP as ConcatSquashMLP,
     ConvField as ConvField,
+    EGNNField as EGNNField,
     MLPField as MLPField,
 )
 from .objectives import (
     AbstractObjective as AbstractObjective,
     FlowMatching as FlowMatching,
+    ImportanceWeights as ImportanceWeights,
     MaximumLikelihood as MaximumLikelihood,
+    ReverseKL as ReverseKL,
     conditional_path as conditional_path,
     flow_matching_loss as flow_matching_loss,
+    importance_weights as importance_weights,
     ot_pairing as ot_pairing,
+    pareto_khat as pareto_khat,
 )
 from .ode import (
     CNFArgs as CNFArgs,

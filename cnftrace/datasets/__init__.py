@@ -1,7 +1,8 @@
 """Data sets: FFJORD's eight toy 2-D distributions, densities known exactly in any
-dimension, scikit-learn's bundled data, MAF's UCI sets and MNIST from files you
-provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
-`.parquet`)."""
+dimension, targets known by their energy (a 2-D mixture with a known normaliser, the
+DW4 and LJ13 particle systems) with reference samplers, scikit-learn's bundled data,
+MAF's UCI sets and MNIST from files you provide, and your own tables of samples
+(`.csv`, `.tsv`, `.npy`, `.npz`, `.parquet`)."""
 
 from ._files import (
     TABLE_FORMATS as TABLE_FORMATS,
@@ -45,6 +46,16 @@ from ._sources import (
     gaussian_baseline_nll as gaussian_baseline_nll,
     mnist_root as mnist_root,
 )
+from ._targets import (
+    TARGETS as TARGETS,
+    EnergyTarget as EnergyTarget,
+    ParticleEnergy as ParticleEnergy,
+    dw4 as dw4,
+    energy_target as energy_target,
+    lj13 as lj13,
+    mixture_2d as mixture_2d,
+    random_walk_metropolis as random_walk_metropolis,
+)
 from ._toy import (
     TOY_DATASETS as TOY_DATASETS,
     toy_entropy as toy_entropy,
@@ -68,9 +79,12 @@ __all__ = [
     "MNIST_FILES",
     "MNIST_LEVELS",
     "DataSource",
+    "EnergyTarget",
     "KnownDensity",
+    "ParticleEnergy",
     "TABLE_FORMATS",
     "TABULAR_DATASETS",
+    "TARGETS",
     "Table",
     "TOY_DATASETS",
     "UCI_DATASETS",
@@ -81,6 +95,8 @@ __all__ = [
     "data_source",
     "dequantize",
     "digits_from_logit",
+    "dw4",
+    "energy_target",
     "file_sha256",
     "file_source",
     "gaussian_baseline_nll",
@@ -88,9 +104,12 @@ __all__ = [
     "load_digits",
     "load_mnist_idx",
     "load_tabular",
+    "lj13",
     "load_uci",
     "logit_transform",
+    "mixture_2d",
     "mnist_root",
+    "random_walk_metropolis",
     "read_idx",
     "read_table",
     "rotated_product",

@@ -1,6 +1,6 @@
-"""Flows: the base class every flow derives from, base distributions (and their fit
-to training rows), the CNF block, chains of blocks, the multiscale image model and
-flows in a data file's units."""
+"""Flows: the base class every flow derives from, base distributions (their fit to
+training rows, and the mean-free base of particle systems), the CNF block, chains of
+blocks, the multiscale image model and flows in a data file's units."""
 
 from ._base import AbstractFlow as AbstractFlow
 from ._base_fit import (
@@ -30,6 +30,10 @@ from ._multiscale import (
     default_n_scales as default_n_scales,
     squeeze as squeeze,
     unsqueeze as unsqueeze,
+)
+from ._particles import (
+    MeanFreeNormal as MeanFreeNormal,
+    remove_center_of_mass as remove_center_of_mass,
 )
 from ._programs import SolverError as SolverError
 from ._standardized import (
