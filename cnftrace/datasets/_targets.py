@@ -201,10 +201,12 @@ class ParticleEnergy(EnergyTarget):
 
     @property
     def n_particles(self) -> int:
+        """The number of particles."""
         return self.event_shape[0]
 
     @property
     def spatial_dim(self) -> int:
+        """The dimension of space each particle moves in."""
         return self.event_shape[1]
 
     @abc.abstractmethod

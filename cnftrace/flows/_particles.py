@@ -99,10 +99,12 @@ class MeanFreeNormal(AbstractBase):
 
     @property
     def n_particles(self) -> int:
+        """The number of particles."""
         return self.shape[0]
 
     @property
     def spatial_dim(self) -> int:
+        """The dimension of space each particle moves in."""
         return self.shape[1]
 
     @property

@@ -76,9 +76,8 @@ def pareto_khat(log_weights) -> float:
     !!! example
 
         ```python
-        rng = np.random.default_rng(0)
-        heavy = rng.pareto(2.0, 10_000)       # a tail index of 2: k = 0.5
-        print(cnftrace.pareto_khat(np.log1p(heavy)))
+        heavy = jr.pareto(jr.key(0), 2.0, (10_000,))  # a tail index of 2: k = 0.5
+        print(cnftrace.pareto_khat(jnp.log(heavy)))
         ```
     """
     lw = np.asarray(log_weights, np.float64).reshape(-1)
@@ -181,6 +180,7 @@ class ImportanceWeights(eqx.Module):
 
     @property
     def n(self) -> int:
+        """The number of samples."""
         return int(self.log_q.size)
 
     @property
@@ -208,6 +208,7 @@ class ImportanceWeights(eqx.Module):
 
     @property
     def ess(self) -> float:
+        """Kish's effective sample size `(sum w)^2 / sum w^2`."""
         if not self._usable():
             return math.nan
         lw = self.log_weights
@@ -215,27 +216,32 @@ class ImportanceWeights(eqx.Module):
 
     @property
     def ess_fraction(self) -> float:
+        """`ess / n`: 1 when every weight is equal."""
         return self.ess / self.n
 
     @property
     def log_z(self) -> float:
+        """`log mean(w)`, the estimate of the target's log-normaliser."""
         if not self._usable():
             return math.nan
         return _logsumexp(self.log_weights) - math.log(self.n)
 
     @property
     def log_z_stderr(self) -> float:
+        """The delta-method standard error of `log_z`, `sqrt(1/ess - 1/n)`."""
         ess = self.ess
         return math.sqrt(max(1 / ess - 1 / self.n, 0.0)) if ess == ess else math.nan
 
     @property
     def elbo(self) -> float:
+        """`mean(log w)`, a lower bound on `log Z` (the gap is the reverse KL)."""
         if not self._usable():
             return math.nan
         return float(np.mean(self.log_weights))
 
     @property
     def pareto_k(self) -> float:
+        """The Pareto-smoothed k-hat of the weights (see `pareto_khat`)."""
         lw = self.log_weights
         if not self._usable():
             return math.nan
