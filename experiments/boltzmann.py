@@ -451,7 +451,7 @@ def main(argv=None) -> None:
         help="the DW4 runs to make, by their index (0 maximum likelihood, 1 flow "
         "matching, 2 reverse KL, 3 annealed reverse KL); all by default",
     )
-    parser.add_argument("--steps-2d", type=int, default=1500)
+    parser.add_argument("--steps-2d", type=int, default=3000)
     parser.add_argument("--steps-mle", type=int, default=400)
     parser.add_argument("--steps-fm", type=int, default=8000)
     parser.add_argument("--steps-rkl", type=int, default=600)
