@@ -5,16 +5,16 @@ Two targets of `cnftrace.datasets`:
 
 - `mixture2d`: a 2-D mixture of four Gaussians of unequal mass, whose normaliser is
     known (`log Z = log 3`). An MLP flow is trained by maximum likelihood on exact
-    samples and by reverse KL from the energy alone; 10,000 weighted samples of each
-    estimate `log Z`, against the truth.
+    samples and by reverse KL from the energy alone (at `T = 1`, and annealed from
+    `T = 4`); 10,000 weighted samples of each estimate `log Z`, against the truth.
 - `dw4`: four particles in 2-D with a double-well pair potential (Köhler et al. 2020).
     An E(n)-equivariant flow (`EGNNField` over a `MeanFreeNormal` base, E-NF's width
     32 and depth 3) is trained by maximum likelihood and by flow matching on
     reference samples (replica-exchange Metropolis, seeded), and by reverse KL from the
-    energy alone. Each is scored by its exact-trace test NLL on held-out reference
-    samples and by the effective sample size of 10,000 samples weighted toward the
-    energy; the energy histograms of their samples show what each covers
-    (`boltzmann_dw4_energies.png`).
+    energy alone (at `T = 1`, and annealed from `T = 4`). Each is scored by its
+    exact-trace test NLL on held-out reference samples and by the effective sample
+    size of 10,000 samples weighted toward the energy; the energy histograms of
+    their samples show what each covers (`boltzmann_dw4_energies.png`).
 
 Each trained flow's `log Z` estimate is printed too: the DW4 normaliser is unknown,
 but flows that cover the target agree on it, and one that misses modes falls short.
