@@ -26,6 +26,7 @@ from .flows import (
     GaussianMixture as GaussianMixture,
     LikelihoodEstimate as LikelihoodEstimate,
     LinearSchedule as LinearSchedule,
+    MeanFreeNormal as MeanFreeNormal,
     MultiscaleFlow as MultiscaleFlow,
     Normal as Normal,
     ProbabilityFlow as ProbabilityFlow,
@@ -42,6 +43,7 @@ from .flows import (
     fit_base as fit_base,
     make_flow as make_flow,
     mlp_flow as mlp_flow,
+    remove_center_of_mass as remove_center_of_mass,
     squeeze as squeeze,
     unsqueeze as unsqueeze,
 )
@@ -50,15 +52,20 @@ from .nets import (
     ConcatSquashLinear as ConcatSquashLinear,
     ConcatSquashMLP as ConcatSquashMLP,
     ConvField as ConvField,
+    EGNNField as EGNNField,
     MLPField as MLPField,
 )
 from .objectives import (
     AbstractObjective as AbstractObjective,
     FlowMatching as FlowMatching,
+    ImportanceWeights as ImportanceWeights,
     MaximumLikelihood as MaximumLikelihood,
+    ReverseKL as ReverseKL,
     conditional_path as conditional_path,
     flow_matching_loss as flow_matching_loss,
+    importance_weights as importance_weights,
     ot_pairing as ot_pairing,
+    pareto_khat as pareto_khat,
 )
 from .ode import (
     CNFArgs as CNFArgs,

@@ -1,7 +1,8 @@
 """Data sets: FFJORD's eight toy 2-D distributions, densities known exactly in any
-dimension, scikit-learn's bundled data, MAF's UCI sets and MNIST from files you
-provide, and your own tables of samples (`.csv`, `.tsv`, `.npy`, `.npz`,
-`.parquet`; compressed, or in a `.zip`)."""
+dimension, targets known by their energy (a 2-D mixture with a known normaliser, the
+DW4 and LJ13 particle systems) with reference samplers, scikit-learn's bundled data,
+MAF's UCI sets and MNIST from files you provide, and your own tables of samples
+(`.csv`, `.tsv`, `.npy`, `.npz`, `.parquet`; compressed, or in a `.zip`)."""
 
 from ._files import (
     FORMATS_SHOWN as FORMATS_SHOWN,
@@ -50,6 +51,16 @@ from ._sources import (
     grid_steps as grid_steps,
     mnist_root as mnist_root,
 )
+from ._targets import (
+    TARGETS as TARGETS,
+    EnergyTarget as EnergyTarget,
+    ParticleEnergy as ParticleEnergy,
+    dw4 as dw4,
+    energy_target as energy_target,
+    lj13 as lj13,
+    mixture_2d as mixture_2d,
+    random_walk_metropolis as random_walk_metropolis,
+)
 from ._toy import (
     TOY_DATASETS as TOY_DATASETS,
     toy_entropy as toy_entropy,
@@ -76,8 +87,11 @@ __all__ = [
     "FORMATS_SHOWN",
     "KnownDensity",
     "SPREADSHEETS",
+    "EnergyTarget",
+    "ParticleEnergy",
     "TABLE_FORMATS",
     "TABULAR_DATASETS",
+    "TARGETS",
     "Table",
     "TOY_DATASETS",
     "UCI_DATASETS",
@@ -89,6 +103,8 @@ __all__ = [
     "data_source",
     "dequantize",
     "digits_from_logit",
+    "dw4",
+    "energy_target",
     "file_sha256",
     "file_source",
     "grid_steps",
@@ -97,9 +113,12 @@ __all__ = [
     "load_digits",
     "load_mnist_idx",
     "load_tabular",
+    "lj13",
     "load_uci",
     "logit_transform",
+    "mixture_2d",
     "mnist_root",
+    "random_walk_metropolis",
     "read_idx",
     "read_table",
     "rotated_product",

@@ -1,7 +1,8 @@
-"""Flows: the base class every flow derives from, base distributions (and their fit
-to training rows), the CNF block, chains of blocks, the multiscale image model,
-flows in a data file's units, and the probability-flow ODE of diffusion and
-flow-matching models trained elsewhere (with their noise schedules)."""
+"""Flows: the base class every flow derives from, base distributions (their fit to
+training rows, and the mean-free base of particle systems), the CNF block, chains of
+blocks, the multiscale image model, flows in a data file's units, and the
+probability-flow ODE of diffusion and flow-matching models trained elsewhere (with
+their noise schedules)."""
 
 from ._base import AbstractFlow as AbstractFlow
 from ._base_fit import (
@@ -32,6 +33,10 @@ from ._multiscale import (
     default_n_scales as default_n_scales,
     squeeze as squeeze,
     unsqueeze as unsqueeze,
+)
+from ._particles import (
+    MeanFreeNormal as MeanFreeNormal,
+    remove_center_of_mass as remove_center_of_mass,
 )
 from ._probability_flow import (
     MODEL_KINDS as MODEL_KINDS,

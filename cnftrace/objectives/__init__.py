@@ -1,6 +1,7 @@
 """Training objectives: what one training step minimises. An objective is a small
 Module with one method, `loss(flow, x, context, key, counter)`; `fit` and `Trainer`
-take any of them."""
+take any of them. Beside them, importance weights of a flow's samples toward an
+unnormalised target, and their diagnostics."""
 
 from ._base import AbstractObjective as AbstractObjective
 from ._likelihood import MaximumLikelihood as MaximumLikelihood
@@ -11,3 +12,10 @@ from ._matching import (
     ot_pairing as ot_pairing,
 )
 from ._names import OBJECTIVES as OBJECTIVES, resolve_objective as resolve_objective
+from ._reverse_kl import ReverseKL as ReverseKL
+from ._target import check_log_target as check_log_target
+from ._weights import (
+    ImportanceWeights as ImportanceWeights,
+    importance_weights as importance_weights,
+    pareto_khat as pareto_khat,
+)

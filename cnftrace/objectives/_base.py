@@ -81,6 +81,15 @@ class AbstractObjective(eqx.Module):
         of an objective without solves. Every other key becomes a history column.
         """
 
+    @property
+    def needs_data(self) -> bool:
+        """Whether training needs data. True by default; an objective that draws
+        its own samples (such as [`ReverseKL`][cnftrace.ReverseKL]) says False, and
+        then [`fit`][cnftrace.fit] and [`Trainer`][cnftrace.Trainer] take no data
+        and hand its `loss` a placeholder batch of shape `(batch_size, 0)` in JAX's
+        default float: its length is the batch size, its dtype the samples'."""
+        return True
+
     def check(self, flow: AbstractFlow) -> None:
         """Raises a clear error if this objective cannot train `flow`; called once
         before training. Every flow is fine by default."""

@@ -21,7 +21,7 @@ from .._checks import check_context, check_int, check_samples, check_weight
 from .._custom_types import Key
 from ..estimators import AbstractEstimator, Exact, check_estimator
 from ..flows import AbstractFlow
-from ..objectives import AbstractObjective
+from ..objectives import AbstractObjective, ReverseKL
 from . import _history
 from ._checkpoint import (
     CheckpointError,
@@ -165,9 +165,10 @@ def _params(flow: AbstractFlow):
 
 def fit(
     flow: AbstractFlow,
-    data: DataSource,
+    data: DataSource | None = None,
     *,
     key: Key,
+    target: Callable[[Array], Array] | None = None,
     steps: int = 1000,
     batch_size: int = DEFAULT_BATCH_SIZE,
     objective: str | AbstractObjective = "mle",
@@ -181,8 +182,9 @@ def fit(
     log_every: int = 1,
     on_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
-    """Trains `flow` by maximum likelihood (the default), flow matching, or any
-    other objective: a loop over [`Trainer`][cnftrace.Trainer]'s step.
+    """Trains `flow` by maximum likelihood (the default), flow matching, toward an
+    unnormalised density (`target=`), or by any other objective: a loop over
+    [`Trainer`][cnftrace.Trainer]'s step.
 
     **Arguments:**
 
@@ -197,9 +199,17 @@ def fit(
         refused before training, and so is one JAX cannot trace or one returning
         another number of samples than `batch_size`. Draw NumPy samples outside
         and pass them as an array instead.
+        `None` (the default) for an objective that draws its own samples, as
+        training toward a `target` does.
     - `key`: the PRNG key; the same key gives the same run. Step `i` uses
         `jax.random.fold_in(key, i)` for its batch and probes, so a resumed run draws
         exactly what an uninterrupted one would.
+    - `target`: train toward this unnormalised log-density instead of data: a JAX
+        function from a batch `(n, *event_shape)` to `(n,)`, differentiable. It is
+        `objective=`[`ReverseKL`][cnftrace.ReverseKL]`(target)` (reverse KL on
+        samples the flow draws itself, one Hutchinson probe); build a `ReverseKL`
+        for its other settings (the exact trace, "sticking the landing", a mix with
+        maximum likelihood on data). Give no `data` and no `objective` with it.
     - `steps`: the total number of optimiser steps (a resumed run stops there too).
     - `batch_size`: samples per step.
     - `objective`: what to minimise: `"mle"` (the default), maximum likelihood
@@ -278,6 +288,7 @@ def fit(
     log_every = check_int("log_every", log_every)
     max_failures = check_int("max_failures", max_failures)
     checkpoints = _checked_arguments(flow, checkpoints)
+    objective = _objective_of(target, objective, data)
     trainer = Trainer(
         data,
         key=key,
@@ -301,6 +312,24 @@ def fit(
             return loop.run(max_failures, progress, log_every, on_log)
         finally:
             loop.log.close()
+
+
+def _objective_of(target, objective, data) -> str | AbstractObjective:
+    """`objective`, or `ReverseKL(target)` for `fit(..., target=...)`."""
+    if target is None:
+        return objective
+    if not (isinstance(objective, str) and objective == "mle"):
+        raise ValueError(
+            "pass either `target=` (reverse KL with its defaults) or `objective=`; "
+            "for other settings, `objective=cnftrace.ReverseKL(target, ...)`."
+        )
+    if data is not None:
+        raise ValueError(
+            "`target=` trains from samples the flow draws itself, without `data`; "
+            "to add maximum likelihood on data, pass `data` with "
+            "`objective=cnftrace.ReverseKL(target, forward_weight=...)`."
+        )
+    return ReverseKL(target)
 
 
 def _checked_arguments(flow, checkpoints) -> Checkpoints | None:

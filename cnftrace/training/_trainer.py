@@ -85,6 +85,18 @@ class _ArraySampler(eqx.Module):
         return self.data[idx], context, jnp.asarray(False)
 
 
+class _NoData(eqx.Module):
+    """The batch of an objective that needs no data (`objective.needs_data` is
+    False): zeros of shape `(batch_size, 0)`, whose length says how many samples to
+    draw and whose dtype (JAX's default float when the trainer was made) in which."""
+
+    dtype: Any = eqx.field(static=True)
+
+    def __call__(self, key, batch_size):
+        del key
+        return jnp.zeros((batch_size, 0), self.dtype), None, jnp.asarray(False)
+
+
 class _GeneratorSampler(eqx.Module):
     """Fresh batches from `data(key, batch_size)`, checked as they come (an array is
     checked once, up front). The check is a flag, not a host callback, so that the
@@ -140,6 +152,8 @@ class Trainer(eqx.Module):
         `jax.random` from `key`, inside the step: one whose batch does not depend on
         `key` (a NumPy generator), or that JAX cannot trace, is refused (see
         [`fit`][cnftrace.fit]).
+        `None` for an objective that draws its own samples (its `needs_data` is
+        False, as for [`ReverseKL`][cnftrace.ReverseKL]).
     - `key`: the run's PRNG key. Step `i` draws its batch and its loss's randomness
         from `jax.random.fold_in(key, i)`, so a run is reproducible and resumable.
     - `objective`: an objective ([`MaximumLikelihood`][cnftrace.MaximumLikelihood],
@@ -173,7 +187,7 @@ class Trainer(eqx.Module):
         ```
     """
 
-    sample: _ArraySampler | _GeneratorSampler
+    sample: _ArraySampler | _GeneratorSampler | _NoData
     objective: AbstractObjective
     optimizer: optax.GradientTransformation
     key: Key
@@ -182,7 +196,7 @@ class Trainer(eqx.Module):
 
     def __init__(
         self,
-        data: DataSource,
+        data: DataSource | None,
         *,
         key: Key,
         objective: str | AbstractObjective = "mle",
@@ -197,7 +211,12 @@ class Trainer(eqx.Module):
         self.optimizer = default_optimizer(None) if optimizer is None else optimizer
         self.batch_size = batch_size
         self.mesh = resolve_mesh(mesh)
-        if callable(data):
+        _check_data_needed(data, self.objective)
+        if data is None:
+            if context is not None:
+                raise ValueError("`context` goes with data; this objective takes none.")
+            sample = _NoData(jnp.result_type(float))
+        elif callable(data):
             if context is not None:
                 raise ValueError(
                     "`context` goes with array data; a generator for a conditional "
@@ -223,6 +242,8 @@ class Trainer(eqx.Module):
         checked in every step: a batch with NaN or inf stops the step, and `check`
         raises for it."""
         conditional = flow.context_dim is not None
+        if isinstance(self.sample, _NoData):
+            return
         if isinstance(self.sample, _GeneratorSampler):
             what = "data(key, batch_size)"
             first, depends = _traced_generator(
@@ -322,6 +343,24 @@ class Trainer(eqx.Module):
         non-finite loss or gradient. A sync with the device."""
         raise_for_failures(
             jax.device_get(StepCounters.of(state)), state.flow, max_failures
+        )
+
+
+def _check_data_needed(data, objective: AbstractObjective) -> None:
+    """A clear error where `data` is missing for an objective that needs it, or
+    given to one that would ignore it."""
+    if data is None and objective.needs_data:
+        raise ValueError(
+            f"`data` is None, but the objective {type(objective).__name__} trains on "
+            "data: pass an array of samples or a function `(key, batch_size) -> "
+            "batch`. To train toward an unnormalised log-density without data, use "
+            "`objective=cnftrace.ReverseKL(log_target)` (or `fit(..., target=...)`)."
+        )
+    if data is not None and not objective.needs_data:
+        raise ValueError(
+            f"the objective {type(objective).__name__} draws its own samples and "
+            "would not use `data`: pass `data=None`, or mix in maximum likelihood on "
+            "the data with `cnftrace.ReverseKL(log_target, forward_weight=...)`."
         )
 
 

@@ -1,0 +1,121 @@
+"""Targets known by their energy: the 2-D mixture's normaliser by quadrature, DW4's
+and LJ13's energies against hand computations and their invariances, and the
+replica-exchange sampler against a density whose answer is known (float64)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+from cnftrace.datasets import (
+    TARGETS,
+    dw4,
+    energy_target,
+    lj13,
+    mixture_2d,
+    random_walk_metropolis,
+)
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def test_mixture_normaliser_by_quadrature():
+    target = mixture_2d()
+    assert target.log_z == pytest.approx(math.log(3.0), abs=1e-15)
+    grid = np.linspace(-7, 7, 701)
+    step = grid[1] - grid[0]
+    xx, yy = np.meshgrid(grid, grid)
+    points = jnp.asarray(np.stack([xx.ravel(), yy.ravel()], axis=1))
+    energy = np.asarray(target.energy(points))
+    z = np.exp(-energy).sum() * step**2
+    assert math.log(z) == pytest.approx(target.log_z, abs=1e-6)
+    # Its exact samples have the mean energy that the quadrature gives.
+    mean_energy = (np.exp(-energy) * energy).sum() * step**2 / z
+    x = target.sample(jr.key(0), 100_000)
+    e = np.asarray(target.energy(x))
+    assert abs(e.mean() - mean_energy) < 4 * e.std() / math.sqrt(e.size)
+
+
+def _square(side):
+    return jnp.array([[0, 0], [side, 0], [side, side], [0, side]], float) - side / 2
+
+
+def test_dw4_energy_by_hand_and_its_invariances():
+    target = dw4()
+    # A square of side s: four pairs at s, two at s sqrt(2).
+    s = 2.5
+
+    def pair(d):
+        return 0.9 * (d - 4) ** 4 - 4 * (d - 4) ** 2
+
+    want = 4 * pair(s) + 2 * pair(s * math.sqrt(2))
+    np.testing.assert_allclose(target.energy(_square(s)[None]), [want], rtol=1e-13)
+    x = jr.normal(jr.key(0), (3, 4, 2)) * 2
+    c, si = math.cos(1.1), math.sin(1.1)
+    rot = jnp.array([[c, -si], [si, c]]) @ jnp.diag(jnp.array([-1.0, 1.0]))
+    moved = x[:, [3, 1, 0, 2]] @ rot.T + jnp.array([[[5.0, -1.0]]])
+    np.testing.assert_allclose(target.energy(moved), target.energy(x), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"\(n, 4, 2\)"):
+        target.energy(jnp.zeros((3, 8)))
+
+
+def test_lj13_pair_minimum_and_trap():
+    target = lj13()
+    d = jnp.linspace(0.8, 2.0, 1201)
+    e = target.pair_energy(d)
+    assert float(d[jnp.argmin(e)]) == pytest.approx(1.0, abs=1e-3)
+    assert float(e.min()) == pytest.approx(-1.0, abs=1e-9)
+    # Two particles at distance 1, the rest far away: the energy is one pair's -1,
+    # the distant pairs' (small) share, and the trap's half squared radius.
+    x = jr.normal(jr.key(1), (1, 13, 3)) * 50
+    x = x.at[0, 1].set(x[0, 0] + jnp.array([1.0, 0, 0]))
+    i, j = np.triu_indices(13, 1)
+    dist = np.linalg.norm(np.asarray(x[0, i] - x[0, j]), axis=1)
+    pairs = np.sum(dist**-12 - 2 * dist**-6)
+    centred = np.asarray(x[0]) - np.asarray(x[0]).mean(axis=0)
+    want = pairs + 0.5 * np.sum(centred**2)
+    np.testing.assert_allclose(target.energy(x), [want], rtol=1e-12)
+    assert TARGETS == ("mixture2d", "dw4", "lj13")
+    assert energy_target("lj13").event_shape == (13, 3)
+    with pytest.raises(ValueError, match="unknown target"):
+        energy_target("lj55")
+
+
+def test_replica_exchange_finds_both_modes_in_their_proportions():
+    """0.3 N(-4, 0.5^2) + 0.7 N(4, 0.5^2) with every chain started in the left mode:
+    plain random-walk Metropolis mostly stays there, replica exchange up to a
+    temperature of 27 recovers the right mode's 0.7."""
+
+    def log_prob(x):
+        x = x[:, 0]
+        left = math.log(0.3) - 0.5 * ((x + 4) / 0.5) ** 2
+        right = math.log(0.7) - 0.5 * ((x - 4) / 0.5) ** 2
+        return jnp.logaddexp(left, right)
+
+    x0 = jnp.full((200, 1), -4.0)
+    settings = dict(key=jr.key(0), burn_in=300, thin=5, step_size=0.5)
+    stuck = random_walk_metropolis(log_prob, x0, 20, **settings)
+    assert float(jnp.mean(stuck > 0)) < 0.4
+    mixed = random_walk_metropolis(
+        log_prob, x0, 20, temperatures=(1.0, 3.0, 9.0, 27.0), **settings
+    )
+    assert abs(float(jnp.mean(mixed > 0)) - 0.7) < 0.05
+    with pytest.raises(ValueError, match="temperatures"):
+        random_walk_metropolis(log_prob, x0, 2, key=jr.key(0), temperatures=(2.0,))
+
+
+def test_dw4_reference_samples_are_mean_free_and_seeded():
+    target = dw4()
+    settings = dict(chains=50, burn_in=100, thin=5)
+    x = target.sample(jr.key(0), 120, **settings)
+    assert x.shape == (120, 4, 2)
+    np.testing.assert_allclose(x.mean(axis=1), 0.0, atol=1e-12)
+    np.testing.assert_array_equal(x, target.sample(jr.key(0), 120, **settings))
+    assert float(target.energy(x).mean()) < -15  # relaxed from the spread-out start
