@@ -19,7 +19,7 @@ from ._evaluate import (
     evaluate_nll as evaluate_nll,
     log_prob_batched as log_prob_batched,
 )
-from ._fit import Checkpoints as Checkpoints, Validation as Validation, fit as fit
+from ._fit import fit as fit
 from ._history import (
     Log as Log,
     dedupe as dedupe,
@@ -28,6 +28,7 @@ from ._history import (
 )
 from ._lock import DirectoryLock as DirectoryLock
 from ._optim import warmup_cosine_adam as warmup_cosine_adam
+from ._options import Checkpoints as Checkpoints, Validation as Validation
 from ._parallel import (
     check_batch_size as check_batch_size,
     data_mesh as data_mesh,
