@@ -124,6 +124,7 @@ def run(
         row = {"density": target.density.name, "dim": d, "n_test": test_size}
         row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
         row["rows"] = rows
+        row["steps"] = steps
         row["default"] = readme_default(target, steps, test)
         row.update(fitted_recipe(target, steps, test, rows))
         print(f"B5 heavy d={d}: {json.dumps(row)}", flush=True)
@@ -154,6 +155,7 @@ def markdown(res: dict) -> str:
         rows.append(
             [
                 row["dim"],
+                row.get("steps", 2000),
                 cell(row["default"]) + f" ({row['default']['train_s']:.0f} s)",
                 cell(row["fitted"]) + f" ({row['fitted']['train_s']:.0f} s)",
                 cell(row["base_alone"]),
@@ -165,10 +167,10 @@ def markdown(res: dict) -> str:
                 row["measured"],
             ]
         )
-    header = ["d", "default (normal base)", "fitted base (default for a table)"]
+    header = ["d", "steps", "default (normal base)", "fitted base (default for a table)"]
     header += ["base alone", "BIC mixture", "zuko NSF, fitted's seconds"]
     header += ["base chosen", "measured"]
-    return markdown_table(header, rows, "rrrrrrll")
+    return markdown_table(header, rows, "rrrrrrrll")
 
 
 def main(argv=None) -> None:
