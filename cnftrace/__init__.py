@@ -6,7 +6,7 @@ fields), `flows`, `objectives`, `training`, `runs` (saving and loading) and `cli
 `datasets` and `plot` beside them.
 """
 
-from ._recipe import Recipe as Recipe, default_recipe as default_recipe
+from ._defaults import Recipe as Recipe, default_recipe as default_recipe
 from .estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,

@@ -89,12 +89,12 @@ def test_dataset_is_an_alias_of_data():
 
 
 def test_per_dataset_training_defaults():
+    from cnftrace.cli._arguments import run_config
     from cnftrace.cli._main import make_parser
-    from cnftrace.runs import RunConfig
 
     def resolved(*argv):
         args = make_parser().parse_args(["train", "--run-dir", "x", *argv])
-        config = RunConfig.from_args(args).resolved()
+        config = run_config(args).resolved()
         return config.steps, config.batch_size
 
     assert resolved() == (2400, 128)

@@ -25,6 +25,7 @@ import pytest
 import cnftrace
 from cnftrace._checks import MAX_ELEMENTS, memory_limit, parse_float, parse_int
 from cnftrace.cli import main
+from cnftrace.cli._arguments import run_config
 from cnftrace.cli._checks import CommandFailed
 from cnftrace.cli._commands import draw_samples, sample_chunk
 from cnftrace.cli._data import run_source, training_source
@@ -84,7 +85,7 @@ def _csv_text(x, header="x,y,z") -> str:
 
 def _config(*argv) -> RunConfig:
     args = make_parser().parse_args(["train", "--run-dir", "unused", *argv])
-    config = RunConfig.from_args(args)
+    config = run_config(args)
     config.check()
     return config.resolved()
 

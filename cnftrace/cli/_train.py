@@ -35,6 +35,7 @@ from ..training import (
     fit,
     is_main_process,
 )
+from ._arguments import run_config
 from ._checks import (
     CommandFailed,
     UsageError,
@@ -47,7 +48,7 @@ from ._data import as_pinned, changed_data_settings, changed_files, training_sou
 
 
 def cmd_train(args) -> int:
-    config = RunConfig.from_args(args).resolved()  # checked by `check_args`
+    config = run_config(args).resolved()  # checked by `check_args`
     check_run_dir(config.run_dir)
     mesh = _training_mesh(config)
     # Every data file is read and checked here, before anything is written.
@@ -261,7 +262,6 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
                 os.path.join(config.run_dir, "checkpoints"),
                 every=config.checkpoint_every,
                 config=config.compared(),
-                legacy=RunConfig.legacy_values(),
             ),
             progress=tty,
             on_log=on_log,

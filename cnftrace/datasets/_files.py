@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._defaults import TEST_FRACTION, VAL_FRACTION
 from ._real import Splits
 from ._text import DROP, column_name, read_text, resolve_columns
 
@@ -567,8 +568,8 @@ def _min_rows(val_fraction: float, test_fraction: float) -> int:
 def split_table(
     data: np.ndarray,
     *,
-    val_fraction: float = 0.1,
-    test_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
+    test_fraction: float = TEST_FRACTION,
     seed: int = 0,
     name: str = "data",
 ) -> Splits:

@@ -14,6 +14,7 @@ import jax.random as jr
 import numpy as np
 
 from .._checks import seed_key
+from .._defaults import TEST_FRACTION, VAL_FRACTION
 from ..flows import Standardization
 from ._files import FORMATS_SHOWN, Table, read_table, split_table
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
@@ -358,8 +359,8 @@ def file_source(
     *,
     columns=None,
     array: str | None = None,
-    val_fraction: float = 0.1,
-    test_fraction: float = 0.1,
+    val_fraction: float = VAL_FRACTION,
+    test_fraction: float = TEST_FRACTION,
     seed: int = 0,
     standardize: bool = True,
     drop_missing: bool = False,

@@ -9,7 +9,7 @@ import jax.random as jr
 
 from .._checks import check_int
 from .._custom_types import Key
-from .._recipe import default_width
+from .._defaults import ATOL, DEPTH, MAX_STEPS, RTOL, T1, default_width
 from ..estimators import AbstractEstimator
 from ..nets import ConcatSquashMLP, MLPField
 from ._base import AbstractFlow
@@ -50,15 +50,15 @@ def mlp_flow(
     field: str = "mlp",
     blocks: int = 1,
     width: int | None = None,
-    depth: int = 3,
+    depth: int = DEPTH,
     activation: str | Callable | None = None,
-    t1: float = 0.5,
+    t1: float = T1,
     learn_t1: bool = False,
     solver: str | diffrax.AbstractSolver = "tsit5",
-    rtol: float = 1e-5,
-    atol: float = 1e-5,
+    rtol: float = RTOL,
+    atol: float = ATOL,
     estimator: AbstractEstimator | None = None,
-    max_steps: int = 4096,
+    max_steps: int = MAX_STEPS,
     dtype=None,
     zero_last: bool | None = None,
     base: AbstractBase | None = None,

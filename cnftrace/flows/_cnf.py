@@ -11,6 +11,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, check_positive, is_int, is_number
 from .._custom_types import VectorField
+from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL, T1
 from ..estimators import AbstractEstimator, Exact, check_estimator
 from ..ode import (
     CNFTerm,
@@ -114,16 +115,16 @@ class CNF(AbstractFlow):
         dim: int | tuple[int, ...],
         *,
         t0: float = 0.0,
-        t1: float = 0.5,
+        t1: float = T1,
         solver: diffrax.AbstractSolver | None = None,
-        rtol: float = 1e-5,
-        atol: float = 1e-5,
+        rtol: float = RTOL,
+        atol: float = ATOL,
         adjoint: diffrax.AbstractAdjoint | None = None,
         estimator: AbstractEstimator | None = None,
-        max_steps: int = 4096,
+        max_steps: int = MAX_STEPS,
         dt0: float | None = None,
-        pcoeff: float = 0.4,
-        icoeff: float = 0.3,
+        pcoeff: float = PCOEFF,
+        icoeff: float = ICOEFF,
         args=None,
         context_dim: int | None = None,
         learn_t1: bool = False,

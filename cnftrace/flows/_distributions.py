@@ -31,6 +31,9 @@ from jaxtyping import Array, Float
 from .._checks import check_int, check_key, is_int
 from .._custom_types import Key
 
+# A Student-t mixture's starting degrees of freedom: close to its Gaussian mixture.
+_MIXTURE_DF = 30.0
+
 
 class AbstractBase(eqx.Module):
     """A base distribution of a flow: an exact log-density and a sampler over
@@ -480,7 +483,7 @@ class StudentTMixture(_AbstractMixture):
         weights,
         means,
         covariances,
-        df=30.0,
+        df=_MIXTURE_DF,
         *,
         covariance: str = "full",
         trainable: bool = True,
@@ -493,7 +496,7 @@ class StudentTMixture(_AbstractMixture):
 
     @staticmethod
     def from_gaussian(
-        mixture: GaussianMixture, df=30.0, *, trainable: bool | None = None
+        mixture: GaussianMixture, df=_MIXTURE_DF, *, trainable: bool | None = None
     ) -> "StudentTMixture":
         """The Student-t mixture with `mixture`'s weights, means and covariances as
         its scale matrices, and `df` degrees of freedom (a start for fitting tails to

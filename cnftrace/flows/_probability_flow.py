@@ -33,6 +33,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, is_number
 from .._custom_types import Key
+from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL
 from ..estimators import AbstractEstimator
 from ._base import AbstractFlow
 from ._cnf import CNF
@@ -231,14 +232,14 @@ class ProbabilityFlow(AbstractFlow):
         eps: float | None = None,
         prior: AbstractBase | None = None,
         solver: diffrax.AbstractSolver | None = None,
-        rtol: float = 1e-5,
-        atol: float = 1e-5,
+        rtol: float = RTOL,
+        atol: float = ATOL,
         adjoint: diffrax.AbstractAdjoint | None = None,
         estimator: AbstractEstimator | None = None,
-        max_steps: int = 4096,
+        max_steps: int = MAX_STEPS,
         dt0: float | None = None,
-        pcoeff: float = 0.4,
-        icoeff: float = 0.3,
+        pcoeff: float = PCOEFF,
+        icoeff: float = ICOEFF,
     ):
         if not callable(model):
             raise TypeError(

@@ -5,6 +5,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from .._checks import check_positive, check_weight
+from .._defaults import TRAIN_TOLERANCE
 from ..estimators import AbstractEstimator, Hutchinson, check_estimator
 from ._base import AbstractObjective
 
@@ -56,7 +57,7 @@ class MaximumLikelihood(AbstractObjective):
         estimator: AbstractEstimator | None = None,
         kinetic_weight: float = 0.0,
         jacobian_weight: float = 0.0,
-        tolerance: float | None = 1e-3,
+        tolerance: float | None = TRAIN_TOLERANCE,
     ):
         estimator = Hutchinson() if estimator is None else estimator
         check_estimator(estimator)

@@ -22,6 +22,7 @@ import jax.random as jr
 from jax.nn import logsumexp
 
 from .._checks import check_positive, check_weight
+from .._defaults import TRAIN_TOLERANCE
 from ..estimators import AbstractEstimator, Hutchinson, check_estimator
 from ..ode import SolveStats
 from ._base import AbstractObjective
@@ -109,7 +110,7 @@ class ReverseKL(AbstractObjective):
         estimator: AbstractEstimator | None = None,
         stick_the_landing: bool = False,
         forward_weight: float = 0.0,
-        tolerance: float | None = 1e-3,
+        tolerance: float | None = TRAIN_TOLERANCE,
     ):
         if not callable(log_target):
             raise TypeError(

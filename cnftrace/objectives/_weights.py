@@ -22,6 +22,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, check_key
 from .._custom_types import Key
+from .._defaults import EVAL_BATCH_SIZE
 from ..estimators import AbstractEstimator, Exact, check_estimator
 from ..flows import AbstractFlow, SolverError, need_key
 from ._target import LogDensity, check_log_target
@@ -326,7 +327,7 @@ def importance_weights(
     n: int,
     *,
     key: Key,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     estimator: AbstractEstimator | None = None,
     dtype=None,
     keep_samples: bool = True,

@@ -7,15 +7,15 @@ must share). The command line's flags, `config.json`, the check on resume and
 `cnftrace.load` all come from this class.
 """
 
-import argparse
 import dataclasses
 import json
 import math
 import os
 from typing import Any
 
+from .. import _defaults as defaults
+from .._defaults import cli_training, default_recipe
 from .._io import FileKindError, read_regular_file
-from .._recipe import default_recipe
 from ..datasets import (
     ALL_DATASETS,
     DIRECTORY_DATASETS,
@@ -26,28 +26,20 @@ from ..datasets import (
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
-from ._arguments import (
-    DataAction,
-    devices_argument,
-    flag_value,
-    integer_argument,
-    number_argument,
-    tolerance_argument,
-)
 
-_REQUIRED = object()  # no value to assume for a config written without the key
 # Stored settings that only describe the others (what the default recipe chose, and
 # why): never compared on resume, nor with a checkpoint.
 DERIVED = ("recipe",)
 GROUPS = ("data", "model", "training", "run")
 # The built-in sets that are tables of rows (a base can be fitted to them).
 TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
-# The length and batch size of training by data set, where the general default
-# (`None`) falls short: checkerboard's sharp edges need more and less noisy steps.
-RECIPES = {
-    None: {"steps": 2400, "batch_size": 128},
-    "checkerboard": {"steps": 8000, "batch_size": 256},
-}
+
+
+def _by_data(name: str) -> str:
+    """`--help`'s words for a setting that the data set decides (`cli_training`)."""
+    words = [str(cli_training(None)[name])]
+    words += [f"{v[name]} for {k}" for k, v in defaults.CLI_BY_DATA.items()]
+    return "; ".join(words)
 
 
 def _setting(
@@ -56,45 +48,42 @@ def _setting(
     help: str,
     *,
     stored: bool = True,
-    legacy=_REQUIRED,
     flag: bool = True,
     shown: str | None = None,
     low: int | None = None,
     check: str | None = None,
-    **argparse_kwargs,
+    **flag_kwargs,
 ):
     """A field of `RunConfig`.
 
     - `stored`: kept in `config.json` and compared on resume.
-    - `legacy`: the value of a stored setting that a `config.json` written before it
-        existed lacks (none: such a file is refused).
     - `flag`: whether it is a flag (`--` and the name with dashes); not for a
         setting the command derives itself.
     - `shown`: the default as `--help` states it, where it is not the value.
     - `low`: the least value of an integer; `check`: the range of a number,
         `"positive"` (finite, > 0), `"weight"` (finite, >= 0) or `"fraction"` (in
         [0, 1)).
-    - `argparse_kwargs`: passed to `add_argument`; an `int` or `float` default
+    - `flag_kwargs`: how the command line reads the flag, as plain values that
+        `cnftrace.cli` turns into `argparse`'s (`type`: `int`, `float`,
+        `"tolerance"` or `"devices"`; `action`: `"store_true"` or `"on/off"`;
+        `choices`, `nargs`, `metavar`, `required`). An `int` or `float` default
         gives the flag its type, a `bool` one makes it a switch.
     """
     if isinstance(default, bool):
-        argparse_kwargs.setdefault("action", "store_true")
+        flag_kwargs.setdefault("action", "store_true")
     elif isinstance(default, (int, float)):
-        argparse_kwargs.setdefault("type", type(default))
-    if argparse_kwargs.get("type") in (int, float):
-        kind = argparse_kwargs["type"]
-        argparse_kwargs["type"] = integer_argument if kind is int else number_argument
-        argparse_kwargs.setdefault("metavar", "N" if kind is int else "X")
+        flag_kwargs.setdefault("type", type(default))
+    if flag_kwargs.get("type") in (int, float):
+        flag_kwargs.setdefault("metavar", "N" if flag_kwargs["type"] is int else "X")
     metadata = dict(
         group=group,
         help=help,
         stored=stored,
-        legacy=legacy,
         flag=flag,
         shown=shown,
         low=low,
         check=check,
-        argparse=argparse_kwargs,
+        flag_kwargs=flag_kwargs,
     )
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -122,7 +111,6 @@ class RunConfig:
         _DATA,
         "where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and MNIST's "
         "files are",
-        legacy=None,
         metavar="DIR",
     )
     columns: str | None = _setting(
@@ -137,14 +125,17 @@ class RunConfig:
         None, _DATA, "the array of a .npz file", stored=False, metavar="NAME"
     )
     val_fraction: float = _setting(
-        0.1,
+        defaults.VAL_FRACTION,
         _DATA,
         "share of a data file's rows held out for validation (0: none)",
         stored=False,
         check="fraction",
     )
     test_fraction: float = _setting(
-        0.1, _DATA, "share of a data file's rows held out for `eval`", stored=False
+        defaults.TEST_FRACTION,
+        _DATA,
+        "share of a data file's rows held out for `eval`",
+        stored=False,
     )
     split_seed: int = _setting(
         0, _DATA, "picks a data file's train/validation/test split", stored=False, low=0
@@ -188,7 +179,7 @@ class RunConfig:
         stored=False,
     )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
-    data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
+    data_file: dict | None = _setting(None, _DATA, "", flag=False)
     # The model.
     field: str = _setting(
         "mlp",
@@ -196,7 +187,6 @@ class RunConfig:
         "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
         "ConcatSquash layers (concatsquash)",
         # Runs written before MLPField became the default trained FFJORD's field.
-        legacy="concatsquash",
         choices=list(FIELDS),
     )
     blocks: int = _setting(1, _MODEL, "number of CNF blocks", low=1)
@@ -209,7 +199,7 @@ class RunConfig:
         low=1,
         type=int,
     )
-    depth: int = _setting(3, _MODEL, "hidden layers per block", low=0)
+    depth: int = _setting(defaults.DEPTH, _MODEL, "hidden layers per block", low=0)
     activation: str | None = _setting(
         None,
         _MODEL,
@@ -217,12 +207,11 @@ class RunConfig:
         shown="silu for --field mlp, tanh for concatsquash",
         choices=sorted(ACTIVATIONS),
     )
-    t1: float = _setting(0.5, _MODEL, "integration time", check="positive")
+    t1: float = _setting(defaults.T1, _MODEL, "integration time", check="positive")
     learn_t1: bool = _setting(
         False,
         _MODEL,
         "train the integration time too (FFJORD's train_T), starting at --t1",
-        legacy=False,
     )
     base: str | None = _setting(
         None,
@@ -232,29 +221,27 @@ class RunConfig:
         "that mixture with Student-t tails (t-mixture), a Student-t per column "
         "(student-t), the better of mixture and t-mixture on the validation rows "
         "(auto), or the standard normal (normal)",
-        legacy="normal",
         shown="auto for a table: a data file, a --data-dir or scikit-learn set; "
         "normal for the toy sets and images",
         choices=list(BASE_KINDS),
     )
     # How many components the fitted base has (derived from the data; stored to
     # rebuild the model).
-    base_components: int | None = _setting(None, _MODEL, "", legacy=None, flag=False)
+    base_components: int | None = _setting(None, _MODEL, "", flag=False)
     zero_last: bool | None = _setting(
         None,
         _MODEL,
         "start each field's output layer at zero, so that the flow starts as its "
         "base distribution",
-        legacy=False,
         shown="on with a fitted --base, off with the standard normal",
-        action=argparse.BooleanOptionalAction,
+        action="on/off",
     )
     solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
     rtol: float = _setting(
-        1e-5, _MODEL, "solver tolerance of the model", check="positive"
+        defaults.RTOL, _MODEL, "solver tolerance of the model", check="positive"
     )
     atol: float = _setting(
-        1e-5, _MODEL, "solver tolerance of the model", check="positive"
+        defaults.ATOL, _MODEL, "solver tolerance of the model", check="positive"
     )
     # The training.
     objective: str = _setting(
@@ -263,14 +250,13 @@ class RunConfig:
         "maximum likelihood through the ODE solve (mle), conditional flow matching "
         "(fm), or flow matching with minibatch optimal-transport pairing (ot-fm); "
         "flow matching needs no solve in training",
-        legacy="mle",
         choices=list(OBJECTIVES),
     )
     steps: int | None = _setting(
         None,
         _TRAINING,
         "total optimiser steps",
-        shown="2400; 8000 for checkerboard",
+        shown=_by_data("steps"),
         low=1,
         type=int,
     )
@@ -278,30 +264,30 @@ class RunConfig:
         None,
         _TRAINING,
         "samples per step",
-        shown="128; 256 for checkerboard",
+        shown=_by_data("batch_size"),
         low=1,
         type=int,
     )
-    lr: float = _setting(3e-3, _TRAINING, "peak learning rate", check="positive")
-    clip: float = _setting(10.0, _TRAINING, "gradient-norm clip", check="positive")
+    lr: float = _setting(defaults.LR, _TRAINING, "peak learning rate", check="positive")
+    clip: float = _setting(
+        defaults.CLIP, _TRAINING, "gradient-norm clip", check="positive"
+    )
     weight_decay: float = _setting(
         0.0,
         _TRAINING,
         "AdamW's decoupled weight decay, scaled by the learning rate (0: Adam)",
-        legacy=0.0,
         check="weight",
     )
     train_tol: float | None = _setting(
-        1e-3,
+        defaults.TRAIN_TOLERANCE,
         _TRAINING,
         "solver rtol = atol in maximum-likelihood training ('none': train at "
         "--rtol/--atol)",
-        legacy=None,
-        type=tolerance_argument,
+        type="tolerance",
         metavar="TOL|none",
     )
     estimator: str = _setting(
-        "rademacher",
+        defaults.ESTIMATOR,
         _TRAINING,
         "trace estimator in training (evaluation always uses the exact trace)",
         choices=["rademacher", "gaussian", "sphere", "exact"],
@@ -311,36 +297,33 @@ class RunConfig:
         0.0,
         _TRAINING,
         "RNODE weight of the kinetic energy integral (0: off)",
-        legacy=0.0,
         check="weight",
     )
     jacobian_norm: float = _setting(
         0.0,
         _TRAINING,
         "RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
-        legacy=0.0,
         check="weight",
     )
     fm_sigma: float = _setting(
         0.0,
         _TRAINING,
         "width of flow matching's Gaussian paths at the data end, in [0, 1)",
-        legacy=0.0,
         check="fraction",
     )
     patience: int | None = _setting(
         None,
         _TRAINING,
         "stop after this many validations without improvement (0: never)",
-        legacy=None,  # runs on built-in data sets stopped early by no rule
-        shown="10 for a data file and the --data-dir sets, never for the others",
+        shown=f"{defaults.CLI_PATIENCE} for a data file and the --data-dir sets, "
+        "never for the others",
         low=0,
         type=int,
     )
     seed: int = _setting(0, _TRAINING, "seed of the initialisation and the batches")
     # What the default recipe chose for the data, and why (a line the command
     # prints); derived from the other settings, so never compared on resume.
-    recipe: str | None = _setting(None, _TRAINING, None, legacy=None, flag=False)
+    recipe: str | None = _setting(None, _TRAINING, None, flag=False)
     # The run.
     run_dir: str = _setting(
         None, _RUN, "directory of this run", stored=False, required=True
@@ -359,7 +342,7 @@ class RunConfig:
         "must be a multiple of the number)",
         stored=False,
         shown="one device",
-        type=devices_argument,
+        type="devices",
         metavar="N|all",
     )
     distributed: bool = _setting(
@@ -369,36 +352,6 @@ class RunConfig:
         "host; see the docs' scaling page)",
         stored=False,
     )
-
-    # ------------------------------------------------------------ the flags
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per setting to `parser`, in argument groups, each help
-        ending with the default."""
-        groups = {
-            name: parser.add_argument_group(f"{name} settings") for name in GROUPS
-        }
-        for f in _flagged(cls):
-            kwargs = dict(f.metadata["argparse"])
-            flags = ["--" + f.name.replace("_", "-")]
-            if f.name == "data":
-                flags.append("--dataset")
-                kwargs["action"] = DataAction
-            shown = f.metadata["shown"] or flag_value(f.default)
-            ending = "required" if kwargs.get("required") else f"default: {shown}"
-            groups[f.metadata["group"]].add_argument(
-                *flags,
-                dest=f.name,
-                default=f.default,
-                help=f"{f.metadata['help']} ({ending})",
-                **kwargs,
-            )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
-        """The settings of parsed flags (those `add_arguments` added)."""
-        return cls(**{f.name: getattr(args, f.name) for f in _flagged(cls)})
 
     def check(self) -> None:
         """A `ValueError` naming the flag and the range of any setting out of its
@@ -540,18 +493,18 @@ class RunConfig:
 
     def resolved(self) -> "RunConfig":
         """The settings left to the data filled in: the steps and the batch size by
-        data set (`RECIPES`), early stopping (after 10 validations without
-        improvement) for a data file and the sets of `--data-dir`, never for the
-        other built-in sets, and the field's own activation."""
-        recipe = RECIPES.get(self.data if isinstance(self.data, str) else None)
+        data set (`cnftrace._defaults.cli_training`), early stopping (after
+        `CLI_PATIENCE` validations without improvement) for a data file and the
+        sets of `--data-dir`, never for the other built-in sets, and the field's
+        own activation."""
         values = {
             name: value
-            for name, value in (recipe or RECIPES[None]).items()
+            for name, value in cli_training(self.data).items()
             if getattr(self, name) is None
         }
         if self.patience is None:
             built_in = isinstance(self.data, str) and self.data in ALL_DATASETS
-            values["patience"] = None if built_in else 10
+            values["patience"] = None if built_in else defaults.CLI_PATIENCE
         if self.activation is None:
             values["activation"] = DEFAULT_ACTIVATION[self.field]
         return dataclasses.replace(self, **values)
@@ -608,16 +561,6 @@ class RunConfig:
 
     # ------------------------------------------------------------ config.json
 
-    @classmethod
-    def legacy_values(cls) -> dict[str, Any]:
-        """The value each stored setting had before it existed (what an older
-        `config.json` or checkpoint without it stands for)."""
-        return {
-            f.name: f.metadata["legacy"]
-            for f in dataclasses.fields(cls)
-            if f.metadata["stored"] and f.metadata["legacy"] is not _REQUIRED
-        }
-
     def compared(self) -> dict[str, Any]:
         """The stored settings that a resumed run and its checkpoints must share:
         `stored()` less the `DERIVED` ones."""
@@ -634,9 +577,8 @@ class RunConfig:
 
     @classmethod
     def from_stored(cls, stored: dict[str, Any], path: str) -> "RunConfig":
-        """The settings of a `config.json` (at `path`, for messages): settings
-        added since it was written take their `legacy` value; an unknown key, or a
-        missing one without a legacy value, is a `CheckpointError`."""
+        """The settings of a `config.json` (at `path`, for messages); an unknown
+        key, or a missing one, is a `CheckpointError`."""
         fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata["stored"]}
         unknown = sorted(set(stored) - set(fields))
         if unknown:
@@ -644,22 +586,16 @@ class RunConfig:
                 f"{path} holds settings cnftrace does not know: {', '.join(unknown)}; "
                 "restore the file, or start a new run directory."
             )
-        values = {}
-        missing = []
-        for name, f in fields.items():
-            if name in stored:
-                value = stored[name]
-                values[name] = tuple(value) if isinstance(value, list) else value
-            elif f.metadata["legacy"] is not _REQUIRED:
-                values[name] = f.metadata["legacy"]
-            else:
-                missing.append(name)
+        missing = [name for name in fields if name not in stored]
         if missing:
             raise CheckpointError(
                 f"{path} lacks the settings {', '.join(missing)}; restore it, or "
                 "start a new run directory."
             )
-        return cls(**values)
+        values = {name: stored[name] for name in fields}
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        )
 
     def differences(self, other: "RunConfig") -> list[str]:
         """The stored settings where `other` (a run already in the directory)
@@ -673,10 +609,6 @@ class RunConfig:
             and name not in DERIVED
             and not same_value(there[name], value)
         ]
-
-
-def _flagged(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.metadata["flag"]]
 
 
 def read_config(path: str) -> RunConfig:

@@ -10,6 +10,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_context, check_int
 from .._custom_types import Key
+from .._defaults import EVAL_BATCH_SIZE
 from ..estimators import AbstractEstimator, Exact
 from ..flows import (
     AbstractFlow,
@@ -63,7 +64,7 @@ def log_prob_batched(
     flow: AbstractFlow,
     x: Float[Array, "n ..."],
     *,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     context: Float[Array, "n context"] | None = None,
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
@@ -146,7 +147,7 @@ def evaluate_nll(
     x: Float[Array, "n ..."],
     *,
     context: Float[Array, "n context"] | None = None,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
 ) -> NLL:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_context, check_int, check_samples
 from .._custom_types import Key
+from .._defaults import BATCH_SIZE, MAX_FAILURES, STEPS
 from ..estimators import Exact
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective, ReverseKL
@@ -31,7 +32,7 @@ from ._checkpoint import (
 )
 from ._evaluate import log_prob_batched
 from ._lock import DirectoryLock
-from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
+from ._optim import default_optimizer
 from ._options import Checkpoints, Validation
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
@@ -69,15 +70,15 @@ def fit(
     *,
     key: Key,
     target: Callable[[Array], Array] | None = None,
-    steps: int = 1000,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    steps: int = STEPS,
+    batch_size: int = BATCH_SIZE,
     objective: str | AbstractObjective = "mle",
     optimizer: optax.GradientTransformation | None = None,
     context: Float[Array, "n context"] | None = None,
     validation: Validation | Float[Array, "n ..."] | None = None,
     checkpoints: Checkpoints | str | os.PathLike | None = None,
     mesh: MeshSpec = None,
-    max_failures: int = 10,
+    max_failures: int = MAX_FAILURES,
     progress: bool = True,
     log_every: int = 1,
     on_log: Callable[[dict[str, Any]], None] | None = None,

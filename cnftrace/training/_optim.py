@@ -5,12 +5,8 @@ import jax
 import optax
 
 from .._checks import check_int
-from .._recipe import BATCH_SIZE, LR
+from .._defaults import CLIP, CONSTANT_LR, LR, LR_END_DIVISOR, WARMUP
 from ..flows import AbstractBase
-
-# The defaults of `fit` and `Trainer`, from the default recipe.
-DEFAULT_BATCH_SIZE = BATCH_SIZE
-DEFAULT_LR = LR
 
 
 def default_optimizer(steps: int | None) -> optax.GradientTransformation:
@@ -24,8 +20,8 @@ def default_optimizer(steps: int | None) -> optax.GradientTransformation:
     length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate there.
     """
     if steps is None:
-        return optax.adam(1e-3)
-    return warmup_cosine_adam(steps, DEFAULT_LR)
+        return optax.adam(CONSTANT_LR)
+    return warmup_cosine_adam(steps, LR)
 
 
 def warmup_cosine_adam(
@@ -34,7 +30,7 @@ def warmup_cosine_adam(
     *,
     warmup: int | None = None,
     end_factor: float | None = None,
-    clip: float | None = 10.0,
+    clip: float | None = CLIP,
     weight_decay: float = 0.0,
 ) -> optax.GradientTransformation:
     """Adam (AdamW with `weight_decay`) on a schedule: a linear warmup from 0 to
@@ -60,13 +56,13 @@ def warmup_cosine_adam(
         ```
     """
     steps = check_int("steps", steps)
-    warmup = min(50, max(1, steps // 4)) if warmup is None else warmup
+    warmup = min(WARMUP, max(1, steps // 4)) if warmup is None else warmup
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         lr,
         warmup_steps=warmup,
         decay_steps=max(steps, 2),
-        end_value=lr / 20 if end_factor is None else lr * end_factor,
+        end_value=lr / LR_END_DIVISOR if end_factor is None else lr * end_factor,
     )
     adam = (
         optax.adamw(schedule, weight_decay=weight_decay, mask=_outside_bases)
