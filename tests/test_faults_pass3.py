@@ -31,7 +31,7 @@ from cnftrace.cli._commands import draw_samples, sample_chunk
 from cnftrace.cli._data import run_source, training_source
 from cnftrace.cli._main import make_parser
 from cnftrace.datasets import gaussian_baseline_nll, read_table, split_table
-from cnftrace.datasets._files import _enough, _min_rows
+from cnftrace.datasets._split import _enough, _min_rows
 from cnftrace.runs import RunConfig
 from cnftrace.training._state import StepCounters, raise_for_failures
 

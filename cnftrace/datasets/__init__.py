@@ -12,7 +12,6 @@ from ._files import (
     data_format as data_format,
     file_sha256 as file_sha256,
     read_table as read_table,
-    split_table as split_table,
 )
 from ._known import (
     MARGINALS as MARGINALS,
@@ -51,6 +50,7 @@ from ._sources import (
     grid_steps as grid_steps,
     mnist_root as mnist_root,
 )
+from ._split import split_table as split_table
 from ._targets import (
     TARGETS as TARGETS,
     EnergyTarget as EnergyTarget,

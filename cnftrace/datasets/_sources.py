@@ -16,7 +16,7 @@ import numpy as np
 from .._checks import seed_key
 from .._defaults import TEST_FRACTION, VAL_FRACTION
 from ..flows import Standardization
-from ._files import FORMATS_SHOWN, Table, read_table, split_table
+from ._files import FORMATS_SHOWN, Table, read_table
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
 from ._real import (
     DIGIT_LEVELS,
@@ -27,6 +27,7 @@ from ._real import (
     load_tabular,
     logit_transform,
 )
+from ._split import split_table
 from ._toy import TOY_DATASETS, toy_sample
 from ._uci import _SOURCE as _UCI_SOURCE, UCI_DATASETS, load_uci
 

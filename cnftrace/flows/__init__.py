@@ -21,13 +21,15 @@ from ._chain import Chain as Chain, make_flow as make_flow
 from ._cnf import CNF as CNF
 from ._distributions import (
     AbstractBase as AbstractBase,
-    GaussianMixture as GaussianMixture,
     Normal as Normal,
     StandardNormal as StandardNormal,
+)
+from ._inputs import need_key as need_key, validate_input as validate_input
+from ._mixtures import (
+    GaussianMixture as GaussianMixture,
     StudentT as StudentT,
     StudentTMixture as StudentTMixture,
 )
-from ._inputs import need_key as need_key, validate_input as validate_input
 from ._multiscale import (
     MultiscaleFlow as MultiscaleFlow,
     default_n_scales as default_n_scales,

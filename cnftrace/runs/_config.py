@@ -26,6 +26,7 @@ from ..datasets import (
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..training import CheckpointError, same_value
+from ._settings import by_data, setting
 
 # Stored settings that only describe the others (what the default recipe chose, and
 # why): never compared on resume, nor with a checkpoint.
@@ -33,59 +34,6 @@ DERIVED = ("recipe",)
 GROUPS = ("data", "model", "training", "run")
 # The built-in sets that are tables of rows (a base can be fitted to them).
 TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
-
-
-def _by_data(name: str) -> str:
-    """`--help`'s words for a setting that the data set decides (`cli_training`)."""
-    words = [str(cli_training(None)[name])]
-    words += [f"{v[name]} for {k}" for k, v in defaults.CLI_BY_DATA.items()]
-    return "; ".join(words)
-
-
-def _setting(
-    default,
-    group: str,
-    help: str,
-    *,
-    stored: bool = True,
-    flag: bool = True,
-    shown: str | None = None,
-    low: int | None = None,
-    check: str | None = None,
-    **flag_kwargs,
-):
-    """A field of `RunConfig`.
-
-    - `stored`: kept in `config.json` and compared on resume.
-    - `flag`: whether it is a flag (`--` and the name with dashes); not for a
-        setting the command derives itself.
-    - `shown`: the default as `--help` states it, where it is not the value.
-    - `low`: the least value of an integer; `check`: the range of a number,
-        `"positive"` (finite, > 0), `"weight"` (finite, >= 0) or `"fraction"` (in
-        [0, 1)).
-    - `flag_kwargs`: how the command line reads the flag, as plain values that
-        `cnftrace.cli` turns into `argparse`'s (`type`: `int`, `float`,
-        `"tolerance"` or `"devices"`; `action`: `"store_true"` or `"on/off"`;
-        `choices`, `nargs`, `metavar`, `required`). An `int` or `float` default
-        gives the flag its type, a `bool` one makes it a switch.
-    """
-    if isinstance(default, bool):
-        flag_kwargs.setdefault("action", "store_true")
-    elif isinstance(default, (int, float)):
-        flag_kwargs.setdefault("type", type(default))
-    if flag_kwargs.get("type") in (int, float):
-        flag_kwargs.setdefault("metavar", "N" if flag_kwargs["type"] is int else "X")
-    metadata = dict(
-        group=group,
-        help=help,
-        stored=stored,
-        flag=flag,
-        shown=shown,
-        low=low,
-        check=check,
-        flag_kwargs=flag_kwargs,
-    )
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 _DATA, _MODEL, _TRAINING, _RUN = GROUPS
@@ -98,7 +46,7 @@ class RunConfig:
     before the run starts, and stored filled."""
 
     # The data.
-    data: str | tuple[str, ...] = _setting(
+    data: str | tuple[str, ...] = setting(
         "8gaussians",
         _DATA,
         "a built-in data set (`cnftrace datasets` lists them), or one or more files "
@@ -106,14 +54,14 @@ class RunConfig:
         metavar="NAME|FILE",
         nargs="+",
     )
-    data_dir: str | None = _setting(
+    data_dir: str | None = setting(
         None,
         _DATA,
         "where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and MNIST's "
         "files are",
         metavar="DIR",
     )
-    columns: str | None = _setting(
+    columns: str | None = setting(
         None,
         _DATA,
         "the columns of a data file to train on, by header name or 0-based position",
@@ -121,26 +69,26 @@ class RunConfig:
         shown="all",
         metavar="A,B,...",
     )
-    array: str | None = _setting(
+    array: str | None = setting(
         None, _DATA, "the array of a .npz file", stored=False, metavar="NAME"
     )
-    val_fraction: float = _setting(
+    val_fraction: float = setting(
         defaults.VAL_FRACTION,
         _DATA,
         "share of a data file's rows held out for validation (0: none)",
         stored=False,
         check="fraction",
     )
-    test_fraction: float = _setting(
+    test_fraction: float = setting(
         defaults.TEST_FRACTION,
         _DATA,
         "share of a data file's rows held out for `eval`",
         stored=False,
     )
-    split_seed: int = _setting(
+    split_seed: int = setting(
         0, _DATA, "picks a data file's train/validation/test split", stored=False, low=0
     )
-    no_standardize: bool = _setting(
+    no_standardize: bool = setting(
         False,
         _DATA,
         "train on a data file's values as they are (by default each column is "
@@ -149,7 +97,7 @@ class RunConfig:
         stored=False,
     )
     # Pinned in `data_file` (compared on resume), as the columns and the split are.
-    drop_missing: bool = _setting(
+    drop_missing: bool = setting(
         False,
         _DATA,
         "drop the rows of a data file with a missing value in the chosen columns "
@@ -158,7 +106,7 @@ class RunConfig:
         stored=False,
     )
     # Pinned in `data_file` where not `auto`.
-    header: str = _setting(
+    header: str = setting(
         "auto",
         _DATA,
         "whether the first line of a .csv or .tsv file names its columns: auto (when "
@@ -168,7 +116,7 @@ class RunConfig:
         choices=["auto", "yes", "no"],
     )
     # Pinned in `data_file` (its grid steps), as the split is.
-    dequantize: bool = _setting(
+    dequantize: bool = setting(
         False,
         _DATA,
         "spread each column of a data file whose values lie on a grid (counts, "
@@ -179,9 +127,9 @@ class RunConfig:
         stored=False,
     )
     # What pins a data file (paths, SHA-256, split, standardisation): derived.
-    data_file: dict | None = _setting(None, _DATA, "", flag=False)
+    data_file: dict | None = setting(None, _DATA, "", flag=False)
     # The model.
-    field: str = _setting(
+    field: str = setting(
         "mlp",
         _MODEL,
         "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
@@ -189,8 +137,8 @@ class RunConfig:
         # Runs written before MLPField became the default trained FFJORD's field.
         choices=list(FIELDS),
     )
-    blocks: int = _setting(1, _MODEL, "number of CNF blocks", low=1)
-    width: int | None = _setting(
+    blocks: int = setting(1, _MODEL, "number of CNF blocks", low=1)
+    width: int | None = setting(
         None,
         _MODEL,
         "hidden units",
@@ -199,21 +147,21 @@ class RunConfig:
         low=1,
         type=int,
     )
-    depth: int = _setting(defaults.DEPTH, _MODEL, "hidden layers per block", low=0)
-    activation: str | None = _setting(
+    depth: int = setting(defaults.DEPTH, _MODEL, "hidden layers per block", low=0)
+    activation: str | None = setting(
         None,
         _MODEL,
         "the field's activation",
         shown="silu for --field mlp, tanh for concatsquash",
         choices=sorted(ACTIVATIONS),
     )
-    t1: float = _setting(defaults.T1, _MODEL, "integration time", check="positive")
-    learn_t1: bool = _setting(
+    t1: float = setting(defaults.T1, _MODEL, "integration time", check="positive")
+    learn_t1: bool = setting(
         False,
         _MODEL,
         "train the integration time too (FFJORD's train_T), starting at --t1",
     )
-    base: str | None = _setting(
+    base: str | None = setting(
         None,
         _MODEL,
         "the base distribution, fitted to the training rows (standardised) before "
@@ -227,8 +175,8 @@ class RunConfig:
     )
     # How many components the fitted base has (derived from the data; stored to
     # rebuild the model).
-    base_components: int | None = _setting(None, _MODEL, "", flag=False)
-    zero_last: bool | None = _setting(
+    base_components: int | None = setting(None, _MODEL, "", flag=False)
+    zero_last: bool | None = setting(
         None,
         _MODEL,
         "start each field's output layer at zero, so that the flow starts as its "
@@ -236,15 +184,15 @@ class RunConfig:
         shown="on with a fitted --base, off with the standard normal",
         action="on/off",
     )
-    solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
-    rtol: float = _setting(
+    solver: str = setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
+    rtol: float = setting(
         defaults.RTOL, _MODEL, "solver tolerance of the model", check="positive"
     )
-    atol: float = _setting(
+    atol: float = setting(
         defaults.ATOL, _MODEL, "solver tolerance of the model", check="positive"
     )
     # The training.
-    objective: str = _setting(
+    objective: str = setting(
         "mle",
         _TRAINING,
         "maximum likelihood through the ODE solve (mle), conditional flow matching "
@@ -252,33 +200,33 @@ class RunConfig:
         "flow matching needs no solve in training",
         choices=list(OBJECTIVES),
     )
-    steps: int | None = _setting(
+    steps: int | None = setting(
         None,
         _TRAINING,
         "total optimiser steps",
-        shown=_by_data("steps"),
+        shown=by_data("steps"),
         low=1,
         type=int,
     )
-    batch_size: int | None = _setting(
+    batch_size: int | None = setting(
         None,
         _TRAINING,
         "samples per step",
-        shown=_by_data("batch_size"),
+        shown=by_data("batch_size"),
         low=1,
         type=int,
     )
-    lr: float = _setting(defaults.LR, _TRAINING, "peak learning rate", check="positive")
-    clip: float = _setting(
+    lr: float = setting(defaults.LR, _TRAINING, "peak learning rate", check="positive")
+    clip: float = setting(
         defaults.CLIP, _TRAINING, "gradient-norm clip", check="positive"
     )
-    weight_decay: float = _setting(
+    weight_decay: float = setting(
         0.0,
         _TRAINING,
         "AdamW's decoupled weight decay, scaled by the learning rate (0: Adam)",
         check="weight",
     )
-    train_tol: float | None = _setting(
+    train_tol: float | None = setting(
         defaults.TRAIN_TOLERANCE,
         _TRAINING,
         "solver rtol = atol in maximum-likelihood training ('none': train at "
@@ -286,32 +234,32 @@ class RunConfig:
         type="tolerance",
         metavar="TOL|none",
     )
-    estimator: str = _setting(
+    estimator: str = setting(
         defaults.ESTIMATOR,
         _TRAINING,
         "trace estimator in training (evaluation always uses the exact trace)",
         choices=["rademacher", "gaussian", "sphere", "exact"],
     )
-    num_probes: int = _setting(1, _TRAINING, "probes of the estimator", low=1)
-    kinetic_energy: float = _setting(
+    num_probes: int = setting(1, _TRAINING, "probes of the estimator", low=1)
+    kinetic_energy: float = setting(
         0.0,
         _TRAINING,
         "RNODE weight of the kinetic energy integral (0: off)",
         check="weight",
     )
-    jacobian_norm: float = _setting(
+    jacobian_norm: float = setting(
         0.0,
         _TRAINING,
         "RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
         check="weight",
     )
-    fm_sigma: float = _setting(
+    fm_sigma: float = setting(
         0.0,
         _TRAINING,
         "width of flow matching's Gaussian paths at the data end, in [0, 1)",
         check="fraction",
     )
-    patience: int | None = _setting(
+    patience: int | None = setting(
         None,
         _TRAINING,
         "stop after this many validations without improvement (0: never)",
@@ -320,22 +268,22 @@ class RunConfig:
         low=0,
         type=int,
     )
-    seed: int = _setting(0, _TRAINING, "seed of the initialisation and the batches")
+    seed: int = setting(0, _TRAINING, "seed of the initialisation and the batches")
     # What the default recipe chose for the data, and why (a line the command
     # prints); derived from the other settings, so never compared on resume.
-    recipe: str | None = _setting(None, _TRAINING, None, flag=False)
+    recipe: str | None = setting(None, _TRAINING, None, flag=False)
     # The run.
-    run_dir: str = _setting(
+    run_dir: str = setting(
         None, _RUN, "directory of this run", stored=False, required=True
     )
-    checkpoint_every: int = _setting(
+    checkpoint_every: int = setting(
         100, _RUN, "steps between checkpoints (and validations)", stored=False, low=1
     )
-    print_every: int = _setting(
+    print_every: int = setting(
         50, _RUN, "steps between log lines (without a terminal)", stored=False, low=1
     )
-    no_progress: bool = _setting(False, _RUN, "plain log lines", stored=False)
-    devices: int | str | None = _setting(
+    no_progress: bool = setting(False, _RUN, "plain log lines", stored=False)
+    devices: int | str | None = setting(
         None,
         _RUN,
         "train data-parallel on the first N devices, or all of them (the batch size "
@@ -345,7 +293,7 @@ class RunConfig:
         type="devices",
         metavar="N|all",
     )
-    distributed: bool = _setting(
+    distributed: bool = setting(
         False,
         _RUN,
         "join a multi-host run via jax.distributed.initialize (one process per "
