@@ -7,6 +7,7 @@ fields), `flows`, `objectives`, `training`, `runs` (saving and loading) and `cli
 """
 
 from ._defaults import Recipe as Recipe, default_recipe as default_recipe
+from .datasets import Standardization as Standardization
 from .estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,
@@ -31,7 +32,6 @@ from .flows import (
     Normal as Normal,
     ProbabilityFlow as ProbabilityFlow,
     SolverError as SolverError,
-    Standardization as Standardization,
     StandardizedFlow as StandardizedFlow,
     StandardNormal as StandardNormal,
     StudentT as StudentT,

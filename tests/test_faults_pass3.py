@@ -5,6 +5,7 @@ flow-matching run on a file is shared by the file and copied where a test change
 it; everything else is read, checked or refused without training."""
 
 import bz2
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -145,7 +146,8 @@ def test_1_a_run_stored_with_blanks_in_its_columns_opens(
 
     def as_before(config):
         source, pinned = real(config)
-        pinned["data_file"]["columns"] = config.columns.split(",")
+        blanks = tuple(config.columns.split(","))
+        pinned["data_file"] = dataclasses.replace(pinned["data_file"], columns=blanks)
         return source, pinned
 
     run = str(tmp_path / "old")
@@ -178,11 +180,11 @@ def test_2_a_first_line_of_numbers_is_said_and_header_yes_names_it(tmp_path, cap
     source, pinned = training_source(_config("--data", path))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--header yes" in err[0] and "years.csv" in err[0]
-    assert source.table.names is None and "header" not in pinned["data_file"]
+    assert source.table.names is None and "header" not in pinned["data_file"].to_json()
     source, pinned = training_source(_config("--data", path, "--header", "yes"))
     assert capsys.readouterr().err == ""
-    assert pinned["data_file"]["header"] is True
-    assert pinned["data_file"]["names"] == ["1990", "2000"]
+    assert pinned["data_file"].to_json()["header"] is True
+    assert pinned["data_file"].names == ("1990", "2000")
     np.save(tmp_path / "a.npy", np.ones((20, 2)))
     with pytest.raises(ValueError, match="has no header line"):
         read_table(str(tmp_path / "a.npy"), header=True)

@@ -99,11 +99,8 @@ def _fitted_base(config: RunConfig, source, existing: RunConfig | None):
     kind = config.base_to_fit(existing)
     if kind == "normal":
         return None, config.with_base("normal", None, "standard normal", existing)
-    train = source.reference
-    if source.standardization is not None:
-        train = source.standardization.forward(train)
     base, info = fit_base(
-        train,
+        source.to_model(source.reference),
         validation=source.validation,
         kind=kind,
         seed=config.seed % 2**32,

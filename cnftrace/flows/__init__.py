@@ -55,7 +55,7 @@ from ._schedules import (
     VPSchedule as VPSchedule,
 )
 from ._standardized import (
-    Standardization as Standardization,
+    AbstractStandardization as AbstractStandardization,
     StandardizedFlow as StandardizedFlow,
     standardize_on_host as standardize_on_host,
 )

@@ -22,6 +22,7 @@ from ..datasets import (
     TABULAR_DATASETS,
     TOY_DATASETS,
     UCI_DATASETS,
+    DataFile,
 )
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
@@ -126,8 +127,9 @@ class RunConfig:
         "the grid",
         stored=False,
     )
-    # What pins a data file (paths, SHA-256, split, standardisation): derived.
-    data_file: dict | None = setting(None, _DATA, "", flag=False)
+    # What pins a data file (paths, SHA-256, split, standardisation): derived, and
+    # stored as `DataFile.to_json()`.
+    data_file: DataFile | None = setting(None, _DATA, "", flag=False)
     # The model.
     field: str = setting(
         "mlp",
@@ -520,6 +522,8 @@ class RunConfig:
         for f in dataclasses.fields(self):
             if f.metadata["stored"]:
                 value = getattr(self, f.name)
+                if isinstance(value, DataFile):
+                    value = value.to_json()
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -540,10 +544,19 @@ class RunConfig:
                 f"{path} lacks the settings {', '.join(missing)}; restore it, or "
                 "start a new run directory."
             )
-        values = {name: stored[name] for name in fields}
-        return cls(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-        )
+        values = {
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in stored.items()
+            if k != "data_file"
+        }
+        if stored["data_file"] is not None:
+            try:
+                values["data_file"] = DataFile.from_json(stored["data_file"])
+            except ValueError as e:
+                raise CheckpointError(
+                    f"{path}: {e} Restore the file, or start a new run directory."
+                ) from None
+        return cls(**values)
 
     def differences(self, other: "RunConfig") -> list[str]:
         """The stored settings where `other` (a run already in the directory)

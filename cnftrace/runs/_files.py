@@ -11,7 +11,8 @@ import equinox as eqx
 import jax.random as jr
 
 from .._io import FileKindError, atomic_write, read_regular_file
-from ..flows import AbstractFlow, Standardization, StandardizedFlow
+from ..datasets import Standardization
+from ..flows import AbstractFlow, StandardizedFlow
 from ..training import (
     CheckpointError,
     deserialise,
