@@ -26,7 +26,7 @@ import cnftrace
 from cnftrace.cli import main
 from cnftrace.cli._checks import UsageError
 from cnftrace.cli._commands import read_metrics
-from cnftrace.training._checkpoint import (
+from cnftrace.store._checkpoint import (
     _leaf_specs,
     checkpoint_path,
     config_mismatch,
@@ -35,7 +35,7 @@ from cnftrace.training._checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from cnftrace.training._lock import DirectoryLock
+from cnftrace.store._lock import DirectoryLock
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 TINY = ["--steps", "30", "--batch-size", "16", "--width", "4", "--depth", "1"]
@@ -86,7 +86,7 @@ def test_1_pruning_keeps_fresh_checkpoints_over_unreadable_newer_ones(tmp_path):
 _READER = """
 import json, os, resource, signal, sys
 import jax.numpy as jnp
-from cnftrace.training._checkpoint import latest_good_checkpoint
+from cnftrace.store._checkpoint import latest_good_checkpoint
 
 like = {"w": jnp.zeros(3, jnp.float32)}
 root = sys.argv[1]

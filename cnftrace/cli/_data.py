@@ -37,7 +37,7 @@ from ..datasets import (
     toy_entropy_is_exact,
 )
 from ..runs import RunConfig
-from ..training import same_value
+from ..store._checkpoint import same_value
 from ._checks import CommandFailed, UsageError
 
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from ..flows import SolverError
 from ..runs import RunConfig, integer_argument
-from ..training import CheckpointError, TrainingError, enable_compilation_cache
+from ..store import CheckpointError, enable_compilation_cache
+from ..training import TrainingError
 from ._checks import CommandFailed, UsageError, check_args
 from ._commands import EVAL_SEED, cmd_datasets, cmd_eval, cmd_plot, cmd_sample
 from ._train import cmd_train, initialize_distributed

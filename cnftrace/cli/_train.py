@@ -21,14 +21,14 @@ import time
 import jax
 import jax.random as jr
 
-from .. import training
 from .._checks import seed_key
 from .._io import atomic_write
 from ..flows import fit_base
 from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
+from ..store import _history
+from ..store._lock import DirectoryLock
 from ..training import (
     Checkpoints,
-    DirectoryLock,
     Validation,
     check_batch_size,
     data_mesh,
@@ -195,7 +195,7 @@ class _Metrics:
     records from its step on are cut away: those a killed run logged after its last
     checkpoint, which this run takes again. So every step is in the file once. Lines
     that are not records of a step, and repeats of a step, go too, with one warning
-    (`training.read_records`)."""
+    (`read_records`)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -205,8 +205,8 @@ class _Metrics:
         if self.log is None:
             # What `cnftrace plot` needs of a record; older runs logged no more.
             needed = ("step", "loss", "nfe")
-            training.truncate(self.path, record["step"] - 1, needed=needed)
-            self.log = training.Log(self.path)
+            _history.truncate(self.path, record["step"] - 1, needed=needed)
+            self.log = _history.Log(self.path)
         self.log.write(record)
 
     def close(self) -> None:
@@ -291,7 +291,7 @@ def _last_step(config: RunConfig, history: dict) -> tuple[int, str]:
     if history["step"]:
         return history["step"][-1], f"final loss {history['loss'][-1]:.4f}"
     path = os.path.join(config.run_dir, "metrics.jsonl")
-    records = training.read_records(path, needed=("step", "loss"), warn=lambda m: None)
+    records = _history.read_records(path, needed=("step", "loss"), warn=lambda m: None)
     if records:
         last = max(records, key=lambda r: r["step"])
         return last["step"], f"final loss {last['loss']:.4f} (from metrics.jsonl)"

@@ -25,7 +25,8 @@ from ..datasets import (
 )
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
-from ..training import CheckpointError, same_value
+from ..store import CheckpointError
+from ..store._checkpoint import same_value
 from ._arguments import (
     DataAction,
     devices_argument,

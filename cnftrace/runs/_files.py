@@ -12,8 +12,8 @@ import jax.random as jr
 
 from .._io import FileKindError, atomic_write, read_regular_file
 from ..flows import AbstractFlow, Standardization, StandardizedFlow
-from ..training import (
-    CheckpointError,
+from ..store import CheckpointError
+from ..store._checkpoint import (
     deserialise,
     latest_good_checkpoint,
     list_checkpoints,

@@ -22,15 +22,14 @@ from .._custom_types import Key
 from ..estimators import Exact
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective, ReverseKL
-from . import _history
-from ._checkpoint import (
-    CheckpointError,
+from ..store import CheckpointError, _history
+from ..store._checkpoint import (
     key_to_data,
     latest_good_checkpoint,
     save_checkpoint,
 )
+from ..store._lock import DirectoryLock
 from ._evaluate import log_prob_batched
-from ._lock import DirectoryLock
 from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
 from ._options import Checkpoints, Validation
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
