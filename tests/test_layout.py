@@ -134,3 +134,50 @@ def test_the_layers_are_subpackages():
         for p in glob.glob(os.path.join(PACKAGE, "*", "__init__.py"))
     }
     assert set(LAYERS) - {"plot"} <= packages
+
+
+def _module(path: str) -> tuple[str, ...]:
+    """A module's dotted parts below `cnftrace` (a package's `__init__.py` is the
+    package): `("flows", "_cnf")`, `("flows",)`, `()` for `cnftrace` itself."""
+    parts = tuple(_name(path).removesuffix(".py").split(os.sep))
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def test_no_import_circle_among_the_modules():
+    """Every import counts, a `TYPE_CHECKING` one or one inside a function too: a
+    circle that only a type annotation or a late import keeps from failing is still
+    two modules that cannot be read one after the other."""
+    modules = {_module(p): p for p in MODULES}
+    graph = {
+        name: {target for target in _imports(path) if target in modules} - {name}
+        for name, path in modules.items()
+    }
+    # Tarjan's strongly connected components: a component of more than one module
+    # is a circle.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(".".join(("cnftrace", *member)))
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"

@@ -27,14 +27,8 @@ from ..flows import fit_base
 from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
 from ..store import _history
 from ..store._lock import DirectoryLock
-from ..training import (
-    Checkpoints,
-    Validation,
-    check_batch_size,
-    data_mesh,
-    fit,
-    is_main_process,
-)
+from ..training import Checkpoints, Validation, data_mesh, fit
+from ..training._parallel import check_batch_size, is_main_process
 from ._checks import (
     CommandFailed,
     UsageError,

@@ -5,11 +5,7 @@ probability-flow ODE of diffusion and flow-matching models trained elsewhere (wi
 their noise schedules)."""
 
 from ._base import AbstractFlow as AbstractFlow
-from ._base_fit import (
-    BASE_KINDS as BASE_KINDS,
-    base_template as base_template,
-    fit_base as fit_base,
-)
+from ._base_fit import BASE_KINDS as BASE_KINDS, fit_base as fit_base
 from ._builders import (
     ACTIVATIONS as ACTIVATIONS,
     DEFAULT_ACTIVATION as DEFAULT_ACTIVATION,
@@ -27,7 +23,6 @@ from ._distributions import (
     StudentT as StudentT,
     StudentTMixture as StudentTMixture,
 )
-from ._inputs import need_key as need_key, validate_input as validate_input
 from ._multiscale import (
     MultiscaleFlow as MultiscaleFlow,
     default_n_scales as default_n_scales,
@@ -55,5 +50,4 @@ from ._schedules import (
 from ._standardized import (
     Standardization as Standardization,
     StandardizedFlow as StandardizedFlow,
-    standardize_on_host as standardize_on_host,
 )

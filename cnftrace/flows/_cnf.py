@@ -11,7 +11,8 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, check_positive, is_int, is_number
 from .._custom_types import VectorField
-from ..estimators import AbstractEstimator, Exact, check_estimator
+from ..estimators import AbstractEstimator, Exact
+from ..estimators._base import check_estimator
 from ..ode import (
     CNFTerm,
     FirstStepController,

@@ -5,13 +5,8 @@ import jax.random as jr
 import numpy as np
 
 from ..estimators import AbstractEstimator, Exact, Hutchinson
-from ..flows import (
-    AbstractBase,
-    AbstractFlow,
-    Standardization,
-    base_template,
-    mlp_flow,
-)
+from ..flows import AbstractBase, AbstractFlow, Standardization, mlp_flow
+from ..flows._base_fit import base_template
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import warmup_cosine_adam
 from ._config import RunConfig

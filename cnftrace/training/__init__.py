@@ -10,10 +10,6 @@ from ._evaluate import (
 from ._fit import fit as fit
 from ._optim import warmup_cosine_adam as warmup_cosine_adam
 from ._options import Checkpoints as Checkpoints, Validation as Validation
-from ._parallel import (
-    check_batch_size as check_batch_size,
-    data_mesh as data_mesh,
-    is_main_process as is_main_process,
-)
+from ._parallel import data_mesh as data_mesh
 from ._state import TrainingError as TrainingError, TrainState as TrainState
 from ._trainer import Trainer as Trainer

@@ -9,7 +9,8 @@ import equinox as eqx
 from jaxtyping import Array, Float
 
 from .._checks import check_int, check_weight
-from ..estimators import AbstractEstimator, check_estimator
+from ..estimators import AbstractEstimator
+from ..estimators._base import check_estimator
 
 
 def _int(name: str, none: bool = False) -> Callable:
