@@ -255,7 +255,6 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
                 os.path.join(config.run_dir, "checkpoints"),
                 every=config.checkpoint_every,
                 config=config.compared(),
-                legacy=RunConfig.legacy_values(),
             ),
             progress=tty,
             on_log=on_log,

@@ -198,12 +198,3 @@ def history_from_records(records: Iterable[dict]) -> dict[str, list]:
         else:
             history = append_train(history, r)
     return history
-
-
-def records_from_history(history: dict[str, list]) -> list[dict]:
-    """The log's records of a history (a dict of lists), in step order."""
-    train = [n for n in history if n not in VAL_NAMES]
-    records = [dict(zip(train, values)) for values in zip(*(history[n] for n in train))]
-    for step, mean, stderr in zip(*(history.get(n, []) for n in VAL_NAMES)):
-        records.append({"step": step, "val_nll": mean, "val_stderr": stderr})
-    return dedupe(records)

@@ -348,7 +348,6 @@ class _Loop:
             like,
             self.config,
             warn=_history.warn_stderr,
-            legacy=self.checkpoints.legacy,
         )
         # Every process must resume from the same step, or they would deadlock.
         first_step = 0 if found is None else found[0]
@@ -367,23 +366,11 @@ class _Loop:
                 "run with another `key`; resuming with this key would not continue "
                 "that run. Pass the same key, or use a new checkpoint directory."
             )
-        if not records and header.get("history"):
-            # A format-1 checkpoint carries the history in its header.
-            records = _history.records_from_history(header["history"])
-            records = [r for r in records if r["step"] <= first_step]
-            if self.main_process:
-                _history.rewrite(history_path, records)
         self.history = _history.history_from_records(records)
         self.resumed = (history_path, first_step)
-        vals = self.history["val_step"]
         self.best_step = header.get("best_step")
-        if self.best_step is None and vals:  # a checkpoint of an older cnftrace
-            self.best_step = vals[int(np.argmin(self.history["val_nll"]))]
-        skipped = header.get("skipped")
-        if skipped is None:  # format 1
-            skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
-        seconds = self.history["seconds"]
-        self.elapsed = header.get("seconds", seconds[-1] if seconds else 0.0)
+        skipped = header.get("skipped", 0)
+        self.elapsed = header.get("seconds", 0.0)
         _, static = eqx.partition(state.flow, eqx.is_inexact_array)
         state = TrainState(
             step=jnp.asarray(first_step, jnp.int32),

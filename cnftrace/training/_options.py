@@ -91,9 +91,6 @@ class Checkpoints(eqx.Module):
     - `keep`: how many of the newest checkpoints to keep.
     - `config`: a JSON-serialisable dict describing the run; a checkpoint written
         under another config is refused, naming the differences.
-    - `legacy`: for settings added to `config` since older checkpoints were
-        written, the value such a checkpoint stands for (the command line's
-        `legacy` values: an older run resumes as it began).
 
     !!! example
 
@@ -107,7 +104,6 @@ class Checkpoints(eqx.Module):
     every: int = eqx.field(default=100, converter=_int("every"))
     keep: int = eqx.field(default=3, converter=_int("keep"))
     config: dict[str, Any] | None = None
-    legacy: dict[str, Any] | None = None
 
     def __check_init__(self):
         if not isinstance(self.directory, str):
