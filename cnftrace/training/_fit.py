@@ -203,7 +203,7 @@ def fit(
     if validation is not None:
         validation = _checked_validation(validation, flow)
     lock = contextlib.nullcontext()
-    if checkpoints is not None and is_main_process():
+    if checkpoints is not None and checkpoints.lock and is_main_process():
         lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
     with lock:
         loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
@@ -319,7 +319,7 @@ class _Loop:
         self.best_rows: np.ndarray | None = None
         best = None
         if checkpoints is not None:
-            path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
+            path = checkpoints.history_file
             state, best = self._resume(state, path)
             if self.main_process:
                 self.log = _history.Log(path)
