@@ -1,5 +1,5 @@
-"""Step-keyed JSON-lines logs: `fit`'s history file beside its checkpoints and the
-command line's `metrics.jsonl`.
+"""Step-keyed JSON-lines logs: `fit`'s history file (`history.jsonl` beside its
+checkpoints, or the command line's `RUN_DIR/metrics.jsonl`).
 
 One JSON record per line, each with its `step`. A process killed after its last
 checkpoint leaves records of steps that the resumed run takes again, so on resume a
