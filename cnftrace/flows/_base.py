@@ -256,12 +256,12 @@ class AbstractFlow(eqx.Module):
         """The log-density of a batch, for code that calls it inside its own
         compiled program: what objectives and evaluation use.
 
-        Unlike [`log_prob`][cnftrace.AbstractFlow.log_prob], nothing is checked and
-        nothing raises: `x` must be a batch `(n, *event_shape)`
-        (and `context` one row per sample), and a failed solve is reported in the
-        statistics' `result` for the caller to check. It is `base.log_prob(z) +
-        log_det` of [`transform`][cnftrace.AbstractFlow.transform]'s forward map, so
-        a flow defines it by defining `transform`.
+        Unlike [`log_prob`][cnftrace.AbstractFlow.log_prob], the input is not
+        checked (`x` must be a batch `(n, *event_shape)`, `context` one row per
+        sample) and a failed solve does not raise: the statistics' `result` says
+        so, for the caller to check. It is `base.log_prob(z) + log_det` of
+        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, so every flow
+        has it by defining `transform`.
 
         **Arguments:**
 
