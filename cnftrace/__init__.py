@@ -2,8 +2,9 @@
 
 The public API lives here. The subpackages hold the layers, bottom to top: `estimators`
 (trace estimators), `ode` (the diffrax term and the solve's parts), `nets` (vector
-fields), `flows`, `objectives`, `training`, `runs` (saving and loading) and `cli`; with
-`datasets` and `plot` beside them.
+fields), `flows`, `objectives`, `store` (checkpoint files, history logs, locks),
+`training`, `datasets`, `runs` (run directories, saving and loading) and `cli`, with
+`plot` beside it.
 """
 
 from ._defaults import Recipe as Recipe, default_recipe as default_recipe
@@ -76,17 +77,19 @@ from .ode import (
     max_rms_seminorm as max_rms_seminorm,
 )
 from .runs import load as load, save as save
+from .store import (
+    CheckpointError as CheckpointError,
+    default_cache_dir as default_cache_dir,
+    enable_compilation_cache as enable_compilation_cache,
+)
 from .training import (
     NLL as NLL,
-    CheckpointError as CheckpointError,
     Checkpoints as Checkpoints,
     Trainer as Trainer,
     TrainingError as TrainingError,
     TrainState as TrainState,
     Validation as Validation,
     data_mesh as data_mesh,
-    default_cache_dir as default_cache_dir,
-    enable_compilation_cache as enable_compilation_cache,
     evaluate_nll as evaluate_nll,
     fit as fit,
     log_prob_batched as log_prob_batched,

@@ -16,8 +16,7 @@ from scipy import stats
 
 import cnftrace
 from cnftrace.cli import main
-from cnftrace.flows import base_template
-from cnftrace.flows._base_fit import _t_mixture_em
+from cnftrace.flows._base_fit import _t_mixture_em, base_template
 
 W = np.array([0.3, 0.7])
 MEANS = np.array([[-2.0, 0.5], [1.5, -1.0]])

@@ -20,8 +20,8 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     # made with it.
     run = str(tmp_path / "runs" / "run")
     assert main(["train", "--run-dir", run, "--checkpoint-every", "5", *TINY]) == 0
+    # One history file (metrics.jsonl) and one lock (the run directory's) for a run.
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
-        "history.jsonl",  # fit's history, beside its checkpoints
         "step_000000005.ckpt",
         "step_000000010.ckpt",
         "step_000000012.ckpt",
@@ -29,7 +29,7 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 13))
-    assert {"loss", "nfe", "nfe_backward", "seconds", "step_seconds"} <= set(records[0])
+    assert {"loss", "nfe", "nfe_backward", "seconds", "skipped"} <= set(records[0])
     # Tsit5 with the default adjoint: every evaluation but the initial-step
     # heuristic's is backpropagated.
     assert all(r["nfe_backward"] == r["nfe"] - 1 for r in records)

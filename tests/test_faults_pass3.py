@@ -325,17 +325,14 @@ def test_8_sample_sizes_no_program_can_hold_are_refused():
 # 9. A run whose history was deleted.
 
 
-def test_9_a_finished_run_without_its_history_reports_from_metrics(
-    run, tmp_path, capsys
-):
+def test_9_a_finished_run_without_its_history_says_it_is_gone(run, tmp_path, capsys):
     path, argv = _copy(run, tmp_path)
-    os.remove(os.path.join(path, "checkpoints", "history.jsonl"))
+    os.remove(os.path.join(path, "metrics.jsonl"))
     capsys.readouterr()
     assert main(argv) == 0  # it raised an IndexError
     captured = capsys.readouterr()
-    assert "had already trained 2 steps; final loss" in captured.out
-    assert "(from metrics.jsonl)" in captured.out
-    assert "history.jsonl is missing" in captured.err
+    assert "had already trained 2 steps; no final loss" in captured.out
+    assert "metrics.jsonl is missing" in captured.err
 
 
 def test_9_a_resumed_run_without_its_history_says_what_is_lost(tmp_path, capsys):

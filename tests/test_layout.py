@@ -11,16 +11,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "cnftrace")
-# Bottom to top; a layer may import the layers before it. `_io`, `_checks`,
-# `_custom_types` and `_defaults` (the default settings) are the bottom of all.
+# Bottom to top (DESIGN.md's order); a layer may import the layers before it. `_io`,
+# `_checks`, `_custom_types` and `_defaults` (the default settings) are the bottom of
+# all. `store` (checkpoint files, history logs, locks) knows nothing of flows: `fit`
+# writes its checkpoints through it, and `runs` builds run directories on it.
 LAYERS = (
     "estimators",
     "ode",
     "nets",
     "flows",
     "objectives",
-    "datasets",
+    "store",
     "training",
+    "datasets",
     "plot",
     "runs",
     "cli",
@@ -41,7 +44,8 @@ def _layer(path: str) -> str | None:
 
 def _imports(path: str) -> list[tuple[str, ...]]:
     """The package's own modules that a module imports, as dotted parts below
-    `cnftrace` (`("flows", "_cnf")`), resolving relative imports."""
+    `cnftrace` (`("flows", "_cnf")`), resolving relative imports, each also with
+    every name imported from it (`("flows", "_cnf", "CNF")`)."""
     with open(path) as f:
         tree = ast.parse(f.read())
     here = ("cnftrace", *_name(path).removesuffix(".py").split(os.sep))
@@ -56,7 +60,7 @@ def _imports(path: str) -> list[tuple[str, ...]]:
                 parts = tuple((node.module or "").split("."))
             if parts[0] == "cnftrace":
                 names = [a.name for a in node.names]
-                out += [(*parts[1:], n) for n in names] if len(parts) == 1 else []
+                out += [(*parts[1:], n) for n in names]
                 out.append(parts[1:])
         elif isinstance(node, ast.Import):
             out += [
@@ -65,6 +69,21 @@ def _imports(path: str) -> list[tuple[str, ...]]:
                 if a.name.split(".")[0] == "cnftrace"
             ]
     return [p for p in out if p]
+
+
+def _exported(layer: str) -> set[str]:
+    """The names a subpackage's `__init__.py` imports (and so exports)."""
+    path = os.path.join(PACKAGE, layer, "__init__.py")
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -85,10 +104,13 @@ def test_layers_import_only_layers_below_and_only_their_interface(path):
             assert LAYERS.index(target) < LAYERS.index(layer), (
                 f"{_name(path)} (layer {layer}) imports {'.'.join(parts)}"
             )
-        # Another layer is reached through its `__init__.py`, never its privates.
-        assert len(parts) == 1 or not parts[1].startswith("_"), (
-            f"{_name(path)} imports the private {'.'.join(parts)}"
-        )
+        # What another layer's `__init__.py` names is reached through it; its
+        # private modules only for plumbing that the `__init__.py` does not name.
+        if len(parts) == 3 and parts[1].startswith("_"):
+            assert parts[2] not in _exported(parts[0]), (
+                f"{_name(path)} imports {parts[2]} from {'.'.join(parts[:2])}, "
+                f"past cnftrace.{parts[0]}, which names it"
+            )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -182,3 +204,50 @@ def test_the_model_and_training_defaults_come_from_one_module():
         if name in shared
     ]
     assert not found, f"import these defaults from cnftrace/_defaults.py: {found}"
+
+
+def _module(path: str) -> tuple[str, ...]:
+    """A module's dotted parts below `cnftrace` (a package's `__init__.py` is the
+    package): `("flows", "_cnf")`, `("flows",)`, `()` for `cnftrace` itself."""
+    parts = tuple(_name(path).removesuffix(".py").split(os.sep))
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def test_no_import_circle_among_the_modules():
+    """Every import counts, a `TYPE_CHECKING` one or one inside a function too: a
+    circle that only a type annotation or a late import keeps from failing is still
+    two modules that cannot be read one after the other."""
+    modules = {_module(p): p for p in MODULES}
+    graph = {
+        name: {target for target in _imports(path) if target in modules} - {name}
+        for name, path in modules.items()
+    }
+    # Tarjan's strongly connected components: a component of more than one module
+    # is a circle.
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(".".join(("cnftrace", *member)))
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, f"import circles: {circles}"

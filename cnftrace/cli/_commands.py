@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .. import training
 from .._checks import memory_limit, seed_key
 from .._io import atomic_write, file_kind
 from ..datasets import DataSource
 from ..runs import LoadedRun, load_run
+from ..store import _history
 from ..training import evaluate_nll
 from ._checks import (
     CommandFailed,
@@ -212,12 +212,12 @@ def read_metrics(run_dir: str) -> list[dict]:
     later one never replaces it), in step order; lines that are not records of a
     step are skipped with one warning naming the file and the first one's line."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    records = training.read_records(
+    records = _history.read_records(
         path,
         needed=("step", "loss", "nfe"),  # what `plot_training_curves` draws
         warn=lambda m: print(f"cnftrace: {m}", file=sys.stderr),
     )
-    return training.dedupe(records)
+    return _history.dedupe(records)
 
 
 def cmd_plot(args) -> int:

@@ -7,7 +7,8 @@ import warnings
 import jax.numpy as jnp
 
 from ..flows import SolverError
-from ..training import CheckpointError, TrainingError, enable_compilation_cache
+from ..store import CheckpointError, enable_compilation_cache
+from ..training import TrainingError
 from ._arguments import add_run_arguments, integer_argument
 from ._checks import CommandFailed, UsageError, check_args
 from ._commands import EVAL_SEED, cmd_datasets, cmd_eval, cmd_plot, cmd_sample

@@ -5,11 +5,7 @@ probability-flow ODE of diffusion and flow-matching models trained elsewhere (wi
 their noise schedules)."""
 
 from ._base import AbstractFlow as AbstractFlow
-from ._base_fit import (
-    BASE_KINDS as BASE_KINDS,
-    base_template as base_template,
-    fit_base as fit_base,
-)
+from ._base_fit import BASE_KINDS as BASE_KINDS, fit_base as fit_base
 from ._builders import (
     ACTIVATIONS as ACTIVATIONS,
     DEFAULT_ACTIVATION as DEFAULT_ACTIVATION,
@@ -24,7 +20,6 @@ from ._distributions import (
     Normal as Normal,
     StandardNormal as StandardNormal,
 )
-from ._inputs import need_key as need_key, validate_input as validate_input
 from ._mixtures import (
     GaussianMixture as GaussianMixture,
     StudentT as StudentT,
@@ -57,5 +52,4 @@ from ._schedules import (
 from ._standardized import (
     AbstractStandardization as AbstractStandardization,
     StandardizedFlow as StandardizedFlow,
-    standardize_on_host as standardize_on_host,
 )

@@ -12,7 +12,8 @@ from jaxtyping import Array, Float
 from .._checks import check_int, check_positive, is_int, is_number
 from .._custom_types import VectorField
 from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL, T1
-from ..estimators import AbstractEstimator, Exact, check_estimator
+from ..estimators import AbstractEstimator, Exact
+from ..estimators._base import check_estimator
 from ..ode import (
     CNFTerm,
     FirstStepController,

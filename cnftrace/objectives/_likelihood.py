@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from .._checks import check_positive, check_weight
 from .._defaults import TRAIN_TOLERANCE
-from ..estimators import AbstractEstimator, Hutchinson, check_estimator
+from ..estimators import AbstractEstimator, Hutchinson
+from ..estimators._base import check_estimator
 from ._base import AbstractObjective
 
 
@@ -80,10 +81,10 @@ class MaximumLikelihood(AbstractObjective):
         if self.tolerance is not None:
             model = model.with_tolerance(self.tolerance, self.tolerance)
         if not self.regularized:
-            logp, stats = model._batch_log_prob(x, key, counter, context=context)
+            logp, stats = model.batch_log_prob(x, key, counter, context=context)
             nll = -jnp.mean(logp)
             return nll, {"loss": nll, "stats": stats}
-        logp, reg, stats = model._batch_log_prob(
+        logp, reg, stats = model.batch_log_prob(
             x, key, counter, context=context, regularize=True
         )
         nll = -jnp.mean(logp)

@@ -23,8 +23,10 @@ from jaxtyping import Array, Float
 from .._checks import check_int, check_key
 from .._custom_types import Key
 from .._defaults import EVAL_BATCH_SIZE
-from ..estimators import AbstractEstimator, Exact, check_estimator
-from ..flows import AbstractFlow, SolverError, need_key
+from ..estimators import AbstractEstimator, Exact
+from ..estimators._base import check_estimator
+from ..flows import AbstractFlow, SolverError
+from ..flows._inputs import need_key
 from ._target import LogDensity, check_log_target
 
 # The k-hat above which importance sampling is unreliable, whatever the number of

@@ -5,12 +5,8 @@ import jax.random as jr
 
 from ..datasets import Standardization
 from ..estimators import AbstractEstimator, Exact, Hutchinson
-from ..flows import (
-    AbstractBase,
-    AbstractFlow,
-    base_template,
-    mlp_flow,
-)
+from ..flows import AbstractBase, AbstractFlow, mlp_flow
+from ..flows._base_fit import base_template
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import warmup_cosine_adam
 from ._config import RunConfig

@@ -26,7 +26,8 @@ from ..datasets import (
 )
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
-from ..training import CheckpointError, same_value
+from ..store import CheckpointError
+from ..store._checkpoint import same_value
 from ._settings import by_data, setting
 
 # Stored settings that only describe the others (what the default recipe chose, and

@@ -13,8 +13,8 @@ import jax.random as jr
 from .._io import FileKindError, atomic_write, read_regular_file
 from ..datasets import Standardization
 from ..flows import AbstractFlow, StandardizedFlow
-from ..training import (
-    CheckpointError,
+from ..store import CheckpointError
+from ..store._checkpoint import (
     deserialise,
     latest_good_checkpoint,
     list_checkpoints,

@@ -12,13 +12,9 @@ from .._checks import check_context, check_int
 from .._custom_types import Key
 from .._defaults import EVAL_BATCH_SIZE
 from ..estimators import AbstractEstimator, Exact
-from ..flows import (
-    AbstractFlow,
-    SolverError,
-    need_key,
-    standardize_on_host,
-    validate_input,
-)
+from ..flows import AbstractFlow, SolverError
+from ..flows._inputs import need_key, validate_input
+from ..flows._standardized import standardize_on_host
 
 
 class NLL(eqx.Module):
@@ -56,7 +52,7 @@ def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     (every chunk, every validation during `fit`) reuse the compiled code. It holds
     no host callback (the caller checks the input and the result on the host), so
     JAX's persistent compilation cache can store it."""
-    logp, stats = model._batch_log_prob(x, key, context=context)
+    logp, stats = model.batch_log_prob(x, key, context=context)
     return logp, stats.total_nfe, stats.first_failure()
 
 

@@ -30,7 +30,8 @@ from .._checks import (
 from .._custom_types import Key
 from .._defaults import BATCH_SIZE
 from ..flows import AbstractFlow
-from ..objectives import AbstractObjective, resolve_objective
+from ..objectives import AbstractObjective
+from ..objectives._names import resolve_objective
 from ._optim import default_optimizer
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures

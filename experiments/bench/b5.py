@@ -257,6 +257,7 @@ def cnftrace_cli(path: str, run_dir: str, train_args=()) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     vals = [r for r in records if "val_nll" in r]
+    records = [r for r in records if "loss" in r]  # a validation has its own line
     settings = ("field", "blocks", "width", "depth", "steps", "batch_size", "lr")
     settings += ("base", "base_components", "zero_last")
     return {
