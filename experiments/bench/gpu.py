@@ -16,21 +16,22 @@ Without zuko (or without a CUDA device for torch) its rows say so and cnftrace's
 still measured; without a GPU for jax the run stops at once, unless `--smoke`.
 
 The parts, each with its own time budget (`--budget-b1`, `--budget-b5`) inside the
-whole run's (`--budget`, 450 s by default; a part gets what is left when the parts
+whole run's (`--budget`, 420 s by default; a part gets what is left when the parts
 before it ran long, and a part with less than a minute left is not run):
 
 - B1 (`experiments/README.md`): 8gaussians, batch 512, one CNF block with FFJORD's
   ConcatSquash 2-64-64-64-2, Tsit5 (zuko: its own Dopri5) at 1e-5, Adam 1e-3, float32;
   the exact trace and one Hutchinson probe; s/iter over iterations 21-120 and the
   first step. cnftrace runs `_common.cnftrace_b1`, zuko `zuko_peer.zuko_b1` on CUDA,
-  stopped at its share of the part's budget (`iters` says how many ran).
+  stopped at its share of the part's budget (the table says how many steps ran).
 - B5's constructed densities at d = 10 and 40 (`warped_product(d)`, exact
   log-density): cnftrace's default recipe (`mlp_flow(d)`, `fit` with its defaults,
   `_common.cnftrace_default`) for as many steps (at most 2,000) as its share of the
-  part's budget holds, priced by a 20-step run first; then zuko's NSF (5 transforms,
-  64 x 2, 8 bins, Adam 1e-3, batch 512) on CUDA for the same training seconds. Gap =
-  model NLL - true NLL on `--test-size` held-out points, exact trace. The table
-  repeats the CPU row of `experiments/results/b5_dims.json` beside it.
+  part's budget holds (both trainings and both evaluations must fit), priced by a
+  20-step run first; then zuko's NSF (5 transforms, 64 x 2, 8 bins, Adam 1e-3,
+  batch 512) on CUDA for the same training seconds. Gap = model NLL - true NLL on
+  `--test-size` held-out points, exact trace. The table repeats the CPU row of
+  `experiments/results/b5_dims.json` beside it.
 
 Each part's rows are written as soon as it ends, so a stopped run keeps them. Unlike
 on a shared CPU, absolute seconds on a GPU are worth reporting.
@@ -71,10 +72,11 @@ ESTIMATORS = ("hutchinson", "exact")
 DIMS = (10, 40)
 MAX_STEPS = 2000  # B5's step budget: a row never trains longer than the CPU's
 MIN_PART_S = 60.0  # a part with less than this left is not run
+EVAL_SHARE = 0.2  # of a B5 row's seconds after pricing: both exact-trace evaluations
 FULL = dict(
-    budget=450.0,
-    budget_b1=130.0,
-    budget_b5=150.0,
+    budget=420.0,
+    budget_b1=120.0,
+    budget_b5=140.0,
     test_size=10_000,
     iters=B1_ITERS,
     batch=B1_BATCH,
@@ -163,12 +165,13 @@ def run_b1(budget_s: float, iters: int, batch: int, zuko_peer, device: str) -> d
     return out
 
 
-def seconds_per_step(target: Target, probe_steps: int) -> float:
-    """The steady training step of cnftrace's default recipe on `target`: the median
-    gap between the log records of a `probe_steps`-step run, its first (compiling)
-    step left out."""
+def price_steps(target: Target, probe_steps: int) -> tuple[float, float]:
+    """`(first, step)`: the seconds of the first (compiling) step of cnftrace's
+    default recipe on `target`, and of a steady step (the median gap between the log
+    records of a `probe_steps`-step run after the first)."""
     stamps = []
     flow = cnftrace.mlp_flow(target.dim, key=jr.key(0))
+    start = time.perf_counter()
     cnftrace.fit(
         flow,
         target.sample,
@@ -177,25 +180,29 @@ def seconds_per_step(target: Target, probe_steps: int) -> float:
         progress=False,
         on_log=lambda record: stamps.append(time.perf_counter()),
     )
-    gaps = sorted(b - a for a, b in zip(stamps[1:-1], stamps[2:]))
-    return gaps[len(gaps) // 2]
+    gaps = sorted(b - a for a, b in zip(stamps[:-1], stamps[1:]))
+    return stamps[0] - start, gaps[len(gaps) // 2]
 
 
 def run_b5_row(
     d: int, budget_s: float, settings: dict, zuko_peer, device: str, smoke: bool
 ) -> dict:
-    """One B5 row: cnftrace's defaults for the steps that fit half of `budget_s`
-    (after pricing a step), then zuko's NSF for cnftrace's training seconds."""
+    """One B5 row: cnftrace's defaults, then zuko's NSF for cnftrace's training
+    seconds. After pricing a step, cnftrace gets the steps that let both trainings
+    (compile included) and both evaluations fit in what is left of `budget_s`: each
+    training takes `(1 - EVAL_SHARE) / 2` of it."""
     start = time.perf_counter()
     target = Target(f"warped_product({d})", warped_product(d, seed=0))
     test = target.test_set(settings["test_size"])
     probe = settings["probe_steps"]
-    step_s = seconds_per_step(target, probe)
-    train_s = budget_s / 2 - (time.perf_counter() - start)
+    first_s, step_s = price_steps(target, probe)
+    left = budget_s - (time.perf_counter() - start)
+    train_s = left * (1 - EVAL_SHARE) / 2 - first_s
     steps = 2 if smoke else max(probe, min(MAX_STEPS, int(train_s / step_s)))
     row = {"density": target.density.name, "dim": d, "n_test": len(test)}
     row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
     row["probe_s_per_step"] = step_s
+    row["probe_first_step_s"] = first_s
     row["cnftrace"] = ours = cnftrace_default(target, steps, test)
     print(f"B5 d={d}: cnftrace gap {ours['gap']:.3f} in {steps} steps", flush=True)
     if zuko_peer is None:
