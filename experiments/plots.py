@@ -36,6 +36,13 @@ def _axes(plt, title: str):
     return fig, ax
 
 
+def _plain_numbers(plt, axis, ticks) -> None:
+    """A log axis labelled at `ticks` in plain numbers rather than powers of ten."""
+    axis.set_major_locator(plt.FixedLocator(ticks))
+    axis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(plt.NullFormatter())
+
+
 def time_to_quality(plt, suite: dict):
     """B2: the gap to the floor against training seconds, one panel per data set."""
     b2 = suite["b2"]
@@ -53,6 +60,7 @@ def time_to_quality(plt, suite: dict):
         for gap in (0.15, 0.05):
             ax.axhline(gap, color="grey", lw=0.8, ls="--")
         ax.set_yscale("log")
+        _plain_numbers(plt, ax.yaxis, [0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1])
         ax.set_xlabel("training seconds (2-core CPU)")
         ax.set_ylabel("test NLL − entropy (nats)")
         ax.set_title(f"B2, {data}", fontsize=11)
@@ -113,6 +121,7 @@ def gap_vs_dimension(plt, dims_rows: dict):
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_numbers(plt, ax.yaxis, [0.003, 0.01, 0.03, 0.1, 0.3, 1, 3])
     ax.set_xticks([r["dim"] for r in rows], [str(r["dim"]) for r in rows])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("dimension d")

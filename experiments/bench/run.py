@@ -456,7 +456,7 @@ def main(argv=None) -> int:
         }
 
     parts = [
-        "# The suite's last report",
+        "# B1, B2 and B3: the suite's last report",
         "",
         f"Written by `python -m experiments.bench.run{' --quick' if args.quick else ''}"
         f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}"
@@ -531,10 +531,10 @@ def main(argv=None) -> int:
     elif os.path.exists(b4.RESULTS_STEM + ".md"):
         with open(b4.RESULTS_STEM + ".md") as f:
             parts += ["", b4_title + " (its last run)", "", f.read().rstrip()]
-    # One heading level down, so that docs/benchmarks.md includes the report whole
-    # under its own title.
+    # Two heading levels down, so that docs/benchmarks.md includes the report whole
+    # under its section "Full tables of the last runs".
     lines = "\n".join(parts).split("\n")
-    report = "\n".join("#" + line if line.startswith("#") else line for line in lines)
+    report = "\n".join("##" + line if line.startswith("#") else line for line in lines)
     report += "\n"
     atomic_write(out, report.encode())
     raw = {
