@@ -30,8 +30,8 @@ class MaximumLikelihood(AbstractObjective):
     - `tolerance`: the solver's `rtol` and `atol` in training (`None`: each block's
         own). The default, looser than a flow's own, trains as well per step at
         fewer evaluations (measured on the docs' quality page): the loss only has to
-        be good enough to follow downhill. The trained flow keeps its own, tighter tolerances for
-        `log_prob`, validation and sampling.
+        be good enough to follow downhill. The trained flow keeps its own, tighter
+        tolerances for `log_prob`, validation and sampling.
 
     The history records the NLL as `loss` and, when regularised, the batch means of
     the integrals as `kinetic` and `jacobian`.
