@@ -222,8 +222,8 @@ B2_EVAL_EVERY_S = 15.0
 B2_TEST_SIZE = 5000
 B2_TEST_SEED = 2024
 B2_GAPS = (0.15, 0.05)
-# BENCHMARK.md's floors: 8 well-separated Gaussians (sigma = 0.5 / 1.414), and the
-# checkerboard's uniform density on an area of 32.
+# B2's floors (experiments/README.md): 8 well-separated Gaussians (sigma = 0.5 /
+# 1.414), and the checkerboard's uniform density on an area of 32.
 B2_FLOOR = {
     "8gaussians": math.log(8) + math.log(2 * math.pi * math.e * (0.5 / 1.414) ** 2),
     "checkerboard": math.log(32),

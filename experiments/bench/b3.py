@@ -1,4 +1,4 @@
-"""B3 of `shared/BENCHMARK.md`: how cnftrace's cost grows with the work.
+"""B3 (`experiments/README.md`): how cnftrace's cost grows with the work.
 
 Three measurements, each a function that returns plain rows (lists of dicts) so that a
 report can render them (`markdown` does):

@@ -59,7 +59,7 @@ TARGETS = {
     "floor_ratio": 1.3,
     "b2_seconds": 180.0,
 }
-# BENCHMARK.md's peer NFE per forward solve in B1.
+# The peers' NFE per forward solve in B1 (experiments/README.md).
 PEER_NFE = {"FFJORD reference": 22, "zuko 1.6.0": 40, "diffrax example": 27}
 
 
@@ -461,8 +461,8 @@ def main(argv=None) -> int:
         f"Written by `python -m experiments.bench.run{' --quick' if args.quick else ''}"
         f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}"
         f"{'' if args.repeats is None else f' --repeats {args.repeats}'}` on "
-        f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `shared/BENCHMARK.md` and "
-        "`experiments/README.md`; the peers' differences from the protocol: "
+        f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `experiments/README.md`; "
+        "the peers' differences from the protocol: "
         "`experiments/bench/zuko_peer.py` (zuko, `pip install -e '.[bench]'`) and "
         "`experiments/bench/tfp_peer.py` (TFP's JAX FFJORD, `pip install --pre -e "
         "'.[peers]'`: tfp-nightly is a pre-release).",
