@@ -30,10 +30,10 @@ class MaximumLikelihood(AbstractObjective):
         its own estimator (for evaluation).
     - `kinetic_weight`, `jacobian_weight`: RNODE's weights, finite and `>= 0`.
     - `tolerance`: the solver's `rtol` and `atol` in training (`None`: each block's
-        own). The default 1e-3 trains as well per step as 1e-5 at half its
-        evaluations (see the docs' quality page): the loss only has to be good enough
-        to follow downhill. The trained flow keeps its own, tighter tolerances for
-        `log_prob`, validation and sampling.
+        own). The default, looser than a flow's own, trains as well per step at
+        fewer evaluations (measured on the docs' quality page): the loss only has to
+        be good enough to follow downhill. The trained flow keeps its own, tighter
+        tolerances for `log_prob`, validation and sampling.
 
     The history records the NLL as `loss` and, when regularised, the batch means of
     the integrals as `kinetic` and `jacobian`.

@@ -16,8 +16,9 @@ def default_optimizer(steps: int | None) -> optax.GradientTransformation:
     For a run of known length, Adam with a short warmup to 3e-3 and a cosine decay to
     1.5e-4 at the last step, gradients clipped at a global norm of 10
     ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]): on the docs' quality page
-    it left a quarter of the gap of a constant 1e-3 after the same steps. Without a
-    length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate there.
+    it left a smaller gap than a constant rate after the same steps. Without a
+    length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate
+    measured there.
     """
     if steps is None:
         return optax.adam(CONSTANT_LR)
