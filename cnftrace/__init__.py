@@ -2,11 +2,13 @@
 
 The public API lives here. The subpackages hold the layers, bottom to top: `estimators`
 (trace estimators), `ode` (the diffrax term and the solve's parts), `nets` (vector
-fields), `flows`, `objectives`, `training`, `runs` (saving and loading) and `cli`; with
-`datasets` and `plot` beside them.
+fields), `flows`, `objectives`, `store` (checkpoint files, history logs, locks),
+`training`, `datasets`, `runs` (run directories, saving and loading) and `cli`, with
+`plot` beside it.
 """
 
-from ._recipe import Recipe as Recipe, default_recipe as default_recipe
+from ._defaults import Recipe as Recipe, default_recipe as default_recipe
+from .datasets import Standardization as Standardization
 from .estimators import (
     AbstractEstimator as AbstractEstimator,
     Exact as Exact,
@@ -31,7 +33,6 @@ from .flows import (
     Normal as Normal,
     ProbabilityFlow as ProbabilityFlow,
     SolverError as SolverError,
-    Standardization as Standardization,
     StandardizedFlow as StandardizedFlow,
     StandardNormal as StandardNormal,
     StudentT as StudentT,
@@ -76,17 +77,19 @@ from .ode import (
     max_rms_seminorm as max_rms_seminorm,
 )
 from .runs import load as load, save as save
+from .store import (
+    CheckpointError as CheckpointError,
+    default_cache_dir as default_cache_dir,
+    enable_compilation_cache as enable_compilation_cache,
+)
 from .training import (
     NLL as NLL,
-    CheckpointError as CheckpointError,
     Checkpoints as Checkpoints,
     Trainer as Trainer,
     TrainingError as TrainingError,
     TrainState as TrainState,
     Validation as Validation,
     data_mesh as data_mesh,
-    default_cache_dir as default_cache_dir,
-    enable_compilation_cache as enable_compilation_cache,
     evaluate_nll as evaluate_nll,
     fit as fit,
     log_prob_batched as log_prob_batched,

@@ -16,13 +16,18 @@ from ._io import atomic_write
 from .flows import AbstractFlow
 from .training import log_prob_batched
 
+# The square a 2-D density is drawn on, [-lim, lim]^2, and its pixels per side.
+_LIM = 4.0
+_RESOLUTION = 150
+_GRID_BATCH = 5000  # grid points per compiled call
+
 
 def density_grid(
     flow: AbstractFlow,
     *,
-    lim: float = 4.0,
-    resolution: int = 150,
-    batch_size: int = 5000,
+    lim: float = _LIM,
+    resolution: int = _RESOLUTION,
+    batch_size: int = _GRID_BATCH,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The flow's log-density, by the exact trace, on a grid.
 
@@ -74,8 +79,8 @@ def plot_flow_2d(
     samples: np.ndarray,
     path: str,
     *,
-    lim: float = 4.0,
-    resolution: int = 150,
+    lim: float = _LIM,
+    resolution: int = _RESOLUTION,
     title: str | None = None,
 ) -> str:
     """Saves a three-panel PNG: the data, the learned density (exact trace), and samples

@@ -49,39 +49,15 @@ from cnftrace.datasets import (
 )
 from experiments._common import (
     RESULTS,
-    atomic_write,
-    figure_bytes,
     markdown_table,
     mean_and_stderr,
     progress,
+    save_image_grid,
     write_results,
 )
 
 SHAPE = (1, 8, 8)
 DIM = 64
-
-
-def save_image_grid(path: str, images: np.ndarray, title: str) -> None:
-    """Saves images of shape `(n, 1, h, w)` with values in [0, 1] as a square grid
-    in a PNG (written to a temporary file first, then renamed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n, _, h, w = images.shape
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    grid = np.ones((rows * (h + 1) + 1, cols * (w + 1) + 1))
-    for i, image in enumerate(images[:, 0]):
-        r, c = divmod(i, cols)
-        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) :][:, :w] = image
-    fig, ax = plt.subplots(figsize=(0.5 * cols + 1, 0.5 * rows + 1))
-    ax.imshow(grid, cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
-    ax.set_axis_off()
-    ax.set_title(title, fontsize=9)
-    atomic_write(path, figure_bytes(fig, dpi=120, bbox_inches="tight"))
-    plt.close(fig)
 
 
 def gaussian_bits_per_dim(test_flat, test_log_det) -> float:

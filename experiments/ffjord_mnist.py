@@ -62,9 +62,9 @@ from experiments._common import (
     markdown_table,
     mean_and_stderr,
     progress,
+    save_image_grid,
     write_results,
 )
-from experiments.ffjord_digits import save_image_grid
 
 LEVELS = 256
 ALPHA = 1e-6

@@ -27,8 +27,15 @@ import numpy as np
 
 import cnftrace
 from cnftrace.datasets import file_source, read_table, split_table
-from experiments._common import RESULTS, atomic_write
-from experiments.bench import b5, tables
+from experiments._common import (
+    RESULTS,
+    SPLIT,
+    TABLES,
+    atomic_write,
+    cnftrace_cli,
+    gmm_bic,
+    write_csv,
+)
 
 # The flags each recipe adds to `cnftrace train --data FILE --run-dir DIR`.
 VARIANTS = {
@@ -69,7 +76,7 @@ def whitened(data: np.ndarray, seed: int) -> tuple[np.ndarray, float]:
     `seed`'s training rows (the command line then splits the same rows the same way:
     its permutation depends on the row count and the seed only), and `log |det L|`,
     which turns a log-density of `z` into one of `x`: `log p(x) = log p(z) - log|L|`."""
-    train, _, _ = split_table(data, **(b5.SPLIT | {"seed": seed}))
+    train, _, _ = split_table(data, **(SPLIT | {"seed": seed}))
     mean = train.mean(0)
     chol = np.linalg.cholesky(np.cov(train.T, ddof=1))
     z = np.linalg.solve(chol, (data - mean).T).T
@@ -82,14 +89,14 @@ def gmm_nll(
     """The BIC mixture's per-row test log-density on split `seed`, in the data's
     units (fitted on the standardised training rows, as B5 does). With the file's
     `path`, on its rows dequantised as `cnftrace train --dequantize` reads them."""
-    train, _, test = split_table(data, **(b5.SPLIT | {"seed": seed}))
+    train, _, test = split_table(data, **(SPLIT | {"seed": seed}))
     if path is not None:
         source = file_source(path, seed=seed, dequantize=True)
         train, test = source.reference, source.test(0, None)
     std = cnftrace.Standardization.from_data(train)
     log_det = float(np.asarray(std.log_det))
     z_train, z_test = (np.asarray(std.forward(x), np.float64) for x in (train, test))
-    fit = tables.gmm_bic(z_train, z_test)
+    fit = gmm_bic(z_train, z_test)
     return fit["test_logp"] + log_det, fit["components"]
 
 
@@ -97,7 +104,7 @@ def run_one(path: str, run_dir: str, seed: int, flags: list[str]) -> dict:
     """B5's `cnftrace train` and `cnftrace eval` of one file on split `seed`, with
     the variant's `flags`: the figures the sweep keeps."""
     train_args = ["--no-progress", "--split-seed", str(seed), *flags]
-    result = b5.cnftrace_cli(path, run_dir, train_args)
+    result = cnftrace_cli(path, run_dir, train_args)
     return {k: result[k] for k in ("nll", "steps_done", "best_val_step", "train_s")}
 
 
@@ -116,10 +123,8 @@ def main(argv=None) -> None:
     variants = [v for v in args.variants.split(",") if v]
     seeds = [int(s) for s in args.split_seeds.split(",") if s]
     for name in files:
-        if name not in tables.TABLES:
-            parser.error(
-                f"--files: unknown {name!r}; choose from {list(tables.TABLES)}"
-            )
+        if name not in TABLES:
+            parser.error(f"--files: unknown {name!r}; choose from {list(TABLES)}")
     for name in variants:
         if name not in VARIANTS:
             parser.error(f"--variants: unknown {name!r}; choose from {list(VARIANTS)}")
@@ -131,9 +136,9 @@ def main(argv=None) -> None:
             results = json.load(f)
     gmm = {}
     for name in files:
-        data, names = tables.TABLES[name][0]()
+        data, names = TABLES[name][0]()
         path = os.path.join(work, f"{name}.csv")
-        tables.write_csv(path, data, names)
+        write_csv(path, data, names)
         data = read_table(path).data
         for seed in seeds:
             gmm[name, seed] = gmm_nll(data, seed)
@@ -146,7 +151,7 @@ def main(argv=None) -> None:
         if variant.startswith("whiten"):
             z, log_det = whitened(read_table(path).data, seed)
             path = os.path.join(work, f"{name}-whitened-{seed}.csv")
-            tables.write_csv(path, z, [f"z{j}" for j in range(z.shape[1])])
+            write_csv(path, z, [f"z{j}" for j in range(z.shape[1])])
         row = run_one(path, run_dir, seed, VARIANTS[variant])
         row["nll"] += log_det  # in the data's units
         logp, k = gmm[name, seed]

@@ -16,8 +16,7 @@ from scipy import stats
 
 import cnftrace
 from cnftrace.cli import main
-from cnftrace.flows import base_template
-from cnftrace.flows._base_fit import _t_mixture_em
+from cnftrace.flows._base_fit import _t_mixture_em, base_template
 
 W = np.array([0.3, 0.7])
 MEANS = np.array([[-2.0, 0.5], [1.5, -1.0]])
@@ -302,8 +301,7 @@ def test_save_and_load_keep_the_base(tmp_path, kind):
 def test_the_command_line_fits_a_base_says_so_and_keeps_it(tmp_path):
     """`cnftrace train --data FILE` with no flags fits a base to the training rows,
     starts the field at zero, says what it chose in its recipe line and config.json,
-    validates at step 0 and keeps what validation prefers; a run from before bases
-    (no `base` in its config.json) resumes over the standard normal."""
+    validates at step 0 and keeps what validation prefers."""
     rows = _clusters(400, seed=2)
     data = str(tmp_path / "clusters.csv")
     np.savetxt(data, rows, delimiter=",", fmt="%.17g")
@@ -336,21 +334,6 @@ def test_the_command_line_fits_a_base_says_so_and_keeps_it(tmp_path):
         mixture = float(np.mean(np.asarray(alone.log_prob(std.forward(test)))))
     mixture += float(std.log_det)
     assert model > mixture - 0.1, (model, mixture)
-    # A run written before bases existed resumes over the standard normal.
-    old = str(tmp_path / "old")
-    argv[argv.index(run)] = old
-    with jax.enable_x64(False):
-        assert main([*argv, "--base", "normal", "--steps", "2"][:]) == 0
-    path = os.path.join(old, "config.json")
-    with open(path) as f:
-        stored = json.load(f)
-    for name in ("base", "base_components", "zero_last"):
-        del stored[name]
-    with open(path, "w") as f:
-        json.dump(stored, f)
-    with jax.enable_x64(False):
-        flow = cnftrace.load(old)
-    assert isinstance(flow.base, cnftrace.StandardNormal)
 
 
 def test_a_fitted_base_needs_a_table():

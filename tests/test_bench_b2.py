@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from experiments.bench import b2, common
+from experiments import _common
+from experiments.bench import b2
 
 # The keys of `zuko_peer.zuko_b2`'s result (not imported: torch is optional).
 ZUKO_KEYS = {
@@ -38,10 +39,10 @@ def test_b2_structure():
     assert set(r) == ZUKO_KEYS | {"settings", "nfe_log_prob", "nfe_sample"}
     assert r["system"].startswith("cnftrace ")
     assert r["dataset"] == "8gaussians"
-    assert r["floor"] == common.B2_FLOOR["8gaussians"]
+    assert r["floor"] == _common.B2_FLOOR["8gaussians"]
     assert r["settings"]["batch"] == 32
     assert r["steps"] >= 1 and r["steps"] % 2 == 0
-    assert set(r["time_to_gap"]) == set(common.B2_GAPS)
+    assert set(r["time_to_gap"]) == set(_common.B2_GAPS)
 
     curve = r["curve"]
     assert curve and len(seen) == len(curve)

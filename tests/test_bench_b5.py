@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 import cnftrace
-from experiments.bench import b5, tables
+from experiments import _common
+from experiments.bench import b5
 
 
 def _zuko() -> bool:
     """Whether zuko's peer imports (the bench extra is installed), as b5 sees it."""
-    return b5._bench_peer()[0] is not None
+    return _common.zuko_peer_module()[0] is not None
 
 
 # Both halves run as users run them, in JAX's default float32 (a run of the command
@@ -78,8 +79,8 @@ def test_files_half(files_result):
     assert m["gaussian"]["nll"] == pytest.approx(
         ours["eval"]["gaussian_baseline_nll"], abs=1e-6
     )
-    assert m["gmm_bic"]["components"] in tables.GMM_COMPONENTS
-    assert m["kde_cv"]["bandwidth"] in tables.KDE_BANDWIDTHS
+    assert m["gmm_bic"]["components"] in _common.GMM_COMPONENTS
+    assert m["kde_cv"]["bandwidth"] in _common.KDE_BANDWIDTHS
     assert ("missing" in m["zuko_nsf"]) == (not _zuko())
     gap = row["cnftrace_minus_gmm"]
     assert gap["gap"] == pytest.approx(ours["nll_reloaded"] - m["gmm_bic"]["nll"])
@@ -104,7 +105,7 @@ def test_zuko_parts(dims_result, files_result):
 def test_tables_are_real_measurements():
     # The files half's tables load without downloads and hold finite numbers (those
     # of statsmodels and vega_datasets where the bench extra installed them).
-    for name, (load, source, holds) in tables.TABLES.items():
+    for name, (load, source, holds) in _common.TABLES.items():
         try:
             data, names = load()
         except ModuleNotFoundError as e:

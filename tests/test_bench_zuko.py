@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("zuko")
 
-from experiments.bench import common, zuko_peer  # noqa: E402
+from experiments import _common  # noqa: E402
+from experiments.bench import zuko_peer  # noqa: E402
 
 
 def _positive_count(value) -> bool:
@@ -32,10 +33,10 @@ def test_b1_structure(exact):
 
 
 def test_window_values():
-    assert common.window_values([1.0, 2.0, 3.0]) == [3.0]
-    assert common.window_values(list(range(130))) == list(range(20, 120))
+    assert _common.window_values([1.0, 2.0, 3.0]) == [3.0]
+    assert _common.window_values(list(range(130))) == list(range(20, 120))
     with pytest.raises(ValueError):
-        common.window_values([])
+        _common.window_values([])
 
 
 def test_b2_structure():

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import cnftrace
-from cnftrace.training._checkpoint import (
+from cnftrace.store._checkpoint import (
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
@@ -125,7 +125,7 @@ def test_corruption_is_detected_and_resume_falls_back(tmp_path, damage):
     with pytest.raises(cnftrace.CheckpointError, match="truncated|corrupted"):
         load_checkpoint(path, like)
     warnings = []
-    from cnftrace.training._checkpoint import latest_good_checkpoint
+    from cnftrace.store._checkpoint import latest_good_checkpoint
 
     step, loaded, _ = latest_good_checkpoint(d, like, {"a": 1}, warn=warnings.append)
     assert step == 10 and len(warnings) == 1 and "step_000000020" in warnings[0]

@@ -20,8 +20,8 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     # made with it.
     run = str(tmp_path / "runs" / "run")
     assert main(["train", "--run-dir", run, "--checkpoint-every", "5", *TINY]) == 0
+    # One history file (metrics.jsonl) and one lock (the run directory's) for a run.
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
-        "history.jsonl",  # fit's history, beside its checkpoints
         "step_000000005.ckpt",
         "step_000000010.ckpt",
         "step_000000012.ckpt",
@@ -29,7 +29,7 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 13))
-    assert {"loss", "nfe", "nfe_backward", "seconds", "step_seconds"} <= set(records[0])
+    assert {"loss", "nfe", "nfe_backward", "seconds", "skipped"} <= set(records[0])
     # Tsit5 with the default adjoint: every evaluation but the initial-step
     # heuristic's is backpropagated.
     assert all(r["nfe_backward"] == r["nfe"] - 1 for r in records)
@@ -89,12 +89,12 @@ def test_dataset_is_an_alias_of_data():
 
 
 def test_per_dataset_training_defaults():
+    from cnftrace.cli._arguments import run_config
     from cnftrace.cli._main import make_parser
-    from cnftrace.runs import RunConfig
 
     def resolved(*argv):
         args = make_parser().parse_args(["train", "--run-dir", "x", *argv])
-        config = RunConfig.from_args(args).resolved()
+        config = run_config(args).resolved()
         return config.steps, config.batch_size
 
     assert resolved() == (2400, 128)

@@ -21,9 +21,21 @@ a place in the API reference, are in test_docstring_examples.py (a file of their
 so that pytest-xdist runs the two halves on two workers).
 """
 
+import ast
+import os
+import re
+
 import jax
 import pytest
-from _docs import NOT_RUN, PAGES, page_blocks, read, runs, shell_commands
+from _docs import (
+    NOT_RUN,
+    PAGES,
+    page_blocks,
+    python_blocks,
+    read,
+    runs,
+    shell_commands,
+)
 from conftest import release_memory
 
 from cnftrace.cli import main
@@ -76,3 +88,57 @@ def test_shell_blocks_of_own_data_run():
     """The page on your own data runs its commands, in page order."""
     kinds = [lang for lang, b in page_blocks(read("own-data.md")) if runs(b)]
     assert kinds.count("bash") == 2 and kinds[0] == "python"
+
+
+# The pages a new user copies first: there, an example that means "the default"
+# builds the flow with the default builders, never a field sized by hand.
+FIRST_PAGES = ("index.md", "getting-started.md", os.path.join(os.pardir, "README.md"))
+DEFAULT_BUILDERS = {"MLPField", "mlp_flow"}
+SIZES = {"width", "depth"}
+
+
+def hand_built_fields(source: str) -> list[str]:
+    """The calls of `source` that size a default builder by hand (`width=`,
+    `depth=`, or positional sizes) or build another field (`ConcatSquashMLP`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        sized = {k.arg for k in node.keywords} & SIZES or len(node.args) > 1
+        if (name in DEFAULT_BUILDERS and sized) or name == "ConcatSquashMLP":
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_the_check_finds_hand_built_fields():
+    source = (
+        "a = cnftrace.MLPField(2, key=k)\n"
+        "b = cnftrace.mlp_flow(2, key=k, base=base)\n"
+        "c = cnftrace.ConcatSquashMLP(2, width=32, depth=2, key=k)\n"
+        "d = cnftrace.mlp_flow(2, key=k, width=16)\n"
+        "e = MLPField(2, 64, key=k)\n"
+    )
+    assert hand_built_fields(source) == [
+        "cnftrace.ConcatSquashMLP(2, width=32, depth=2, key=k)",
+        "cnftrace.mlp_flow(2, key=k, width=16)",
+        "MLPField(2, 64, key=k)",
+    ]
+
+
+@pytest.mark.parametrize("page", FIRST_PAGES)
+def test_first_pages_use_the_default_builders(page):
+    text = read(page)
+    blocks = python_blocks(text)
+    assert blocks, f"{page} has no Python example"
+    found = [call for block in blocks for call in hand_built_fields(block)]
+    assert not found, (
+        f"{page}: an example a new user copies builds its field by hand; use "
+        f"cnftrace.mlp_flow(dim, key=...) or MLPField(dim, key=...): {found}"
+    )
+    uses = "".join(blocks)
+    assert any(f"{b}(" in uses for b in DEFAULT_BUILDERS), page
+    # The command line the page shows trains with the defaults too.
+    for line in re.findall(r"^\s*cnftrace train .*$", text, flags=re.M):
+        assert "--width" not in line and "--depth" not in line, (page, line)

@@ -98,3 +98,50 @@ def test_results_are_written_with_the_mode_of_a_normal_file(tmp_path):
         assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
     finally:
         os.umask(umask)
+
+
+# The modules a script may import besides cnftrace: the one helper module, and the
+# peers' code (torch's zuko, TFP) where that peer runs. The suite `bench/run.py` runs
+# the sections B1 to B4 in one process, so it imports them too.
+SHARED = {
+    "experiments._common",
+    "experiments.bench.zuko_peer",
+    "experiments.bench.tfp_peer",
+}
+SUITE = {"experiments/bench/run.py": {f"experiments.bench.b{i}" for i in range(1, 5)}}
+
+
+def experiment_imports(source: str) -> set[str]:
+    """The `experiments` modules that `source` imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("experiments.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "experiments" or node.module == "experiments.bench":
+                found |= {f"{node.module}.{a.name}" for a in node.names}
+            elif node.module.startswith("experiments."):
+                found.add(node.module)
+    return found
+
+
+def test_the_import_check_finds_scripts():
+    source = (
+        "from experiments import _common\n"
+        "from experiments.bench.b4 import Target\n"
+        "def f():\n    from experiments.bench import b5, zuko_peer\n"
+    )
+    assert experiment_imports(source) == {
+        "experiments._common",
+        "experiments.bench.b4",
+        "experiments.bench.b5",
+        "experiments.bench.zuko_peer",
+    }
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_scripts_do_not_import_each_other(path):
+    with open(path) as f:
+        source = f.read()
+    allowed = SHARED | SUITE.get(os.path.relpath(path, ROOT), set())
+    assert experiment_imports(source) <= allowed, "move what is shared to _common.py"

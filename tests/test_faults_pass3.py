@@ -5,6 +5,7 @@ flow-matching run on a file is shared by the file and copied where a test change
 it; everything else is read, checked or refused without training."""
 
 import bz2
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -25,12 +26,13 @@ import pytest
 import cnftrace
 from cnftrace._checks import MAX_ELEMENTS, memory_limit, parse_float, parse_int
 from cnftrace.cli import main
+from cnftrace.cli._arguments import run_config
 from cnftrace.cli._checks import CommandFailed
 from cnftrace.cli._commands import draw_samples, sample_chunk
 from cnftrace.cli._data import run_source, training_source
 from cnftrace.cli._main import make_parser
 from cnftrace.datasets import gaussian_baseline_nll, read_table, split_table
-from cnftrace.datasets._files import _enough, _min_rows
+from cnftrace.datasets._split import _enough, _min_rows
 from cnftrace.runs import RunConfig
 from cnftrace.training._state import StepCounters, raise_for_failures
 
@@ -84,7 +86,7 @@ def _csv_text(x, header="x,y,z") -> str:
 
 def _config(*argv) -> RunConfig:
     args = make_parser().parse_args(["train", "--run-dir", "unused", *argv])
-    config = RunConfig.from_args(args)
+    config = run_config(args)
     config.check()
     return config.resolved()
 
@@ -144,7 +146,8 @@ def test_1_a_run_stored_with_blanks_in_its_columns_opens(
 
     def as_before(config):
         source, pinned = real(config)
-        pinned["data_file"]["columns"] = config.columns.split(",")
+        blanks = tuple(config.columns.split(","))
+        pinned["data_file"] = dataclasses.replace(pinned["data_file"], columns=blanks)
         return source, pinned
 
     run = str(tmp_path / "old")
@@ -177,11 +180,11 @@ def test_2_a_first_line_of_numbers_is_said_and_header_yes_names_it(tmp_path, cap
     source, pinned = training_source(_config("--data", path))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--header yes" in err[0] and "years.csv" in err[0]
-    assert source.table.names is None and "header" not in pinned["data_file"]
+    assert source.table.names is None and "header" not in pinned["data_file"].to_json()
     source, pinned = training_source(_config("--data", path, "--header", "yes"))
     assert capsys.readouterr().err == ""
-    assert pinned["data_file"]["header"] is True
-    assert pinned["data_file"]["names"] == ["1990", "2000"]
+    assert pinned["data_file"].to_json()["header"] is True
+    assert pinned["data_file"].names == ("1990", "2000")
     np.save(tmp_path / "a.npy", np.ones((20, 2)))
     with pytest.raises(ValueError, match="has no header line"):
         read_table(str(tmp_path / "a.npy"), header=True)
@@ -322,17 +325,14 @@ def test_8_sample_sizes_no_program_can_hold_are_refused():
 # 9. A run whose history was deleted.
 
 
-def test_9_a_finished_run_without_its_history_reports_from_metrics(
-    run, tmp_path, capsys
-):
+def test_9_a_finished_run_without_its_history_says_it_is_gone(run, tmp_path, capsys):
     path, argv = _copy(run, tmp_path)
-    os.remove(os.path.join(path, "checkpoints", "history.jsonl"))
+    os.remove(os.path.join(path, "metrics.jsonl"))
     capsys.readouterr()
     assert main(argv) == 0  # it raised an IndexError
     captured = capsys.readouterr()
-    assert "had already trained 2 steps; final loss" in captured.out
-    assert "(from metrics.jsonl)" in captured.out
-    assert "history.jsonl is missing" in captured.err
+    assert "had already trained 2 steps; no final loss" in captured.out
+    assert "metrics.jsonl is missing" in captured.err
 
 
 def test_9_a_resumed_run_without_its_history_says_what_is_lost(tmp_path, capsys):

@@ -94,7 +94,7 @@ def _ckpt(run: str, step: int) -> str:
     return os.path.join(run, "checkpoints", f"step_{step:09d}.ckpt")
 
 
-def _history(run: str, name="checkpoints/history.jsonl") -> list[str]:
+def _history(run: str, name="metrics.jsonl") -> list[str]:
     with open(os.path.join(run, name)) as f:
         return f.read().splitlines()
 
@@ -167,21 +167,19 @@ def test_2_a_stray_history_record_never_replaces_a_checkpointed_one(
     run = _copy(runs, tmp_path)
     loss = _final_loss(run)
     lines = _history(run)
-    with open(os.path.join(run, "checkpoints", "history.jsonl"), "a") as f:
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(stray) + "\n")
     assert main(["train", "--run-dir", run, *TINY]) == 0
     out, err = capsys.readouterr()
     assert f"had already trained 40 steps; final loss {loss:.4f}" in out
     assert _history(run) == lines  # the real record is kept, the stray one gone
-    warned = [w for w in err.splitlines() if "history.jsonl" in w]
+    warned = [w for w in err.splitlines() if "metrics.jsonl" in w]
     assert len(warned) == 1 and "line 41" in warned[0], err
 
 
-def test_2_damaged_history_and_metrics_lines_are_skipped_with_one_warning(
-    runs, tmp_path, capsys
-):
+def test_2_damaged_history_lines_are_skipped_with_one_warning(runs, tmp_path, capsys):
     run = _copy(runs, tmp_path)
-    history = os.path.join(run, "checkpoints", "history.jsonl")
+    history = os.path.join(run, "metrics.jsonl")
     lines = _history(run)
     bad = [json.dumps(json.loads(lines[i]) | {"loss": "abc"}) for i in (9, 10)]
     damaged = lines[:9] + bad + ["{not json", "[1, 2]"] + lines[11:]
@@ -193,14 +191,17 @@ def test_2_damaged_history_and_metrics_lines_are_skipped_with_one_warning(
     warned = err.strip().splitlines()
     assert len(warned) == 1, err
     assert history in warned[0] and "line 10" in warned[0] and "4 lines" in warned[0]
-    # metrics.jsonl, as `cnftrace plot` reads it: a loss that is not a number.
-    metrics = os.path.join(run, "metrics.jsonl")
-    lines = _history(run, "metrics.jsonl")
+    # The same file as `cnftrace plot` reads it (steps 10 and 11, damaged above,
+    # were dropped by that `train`): a loss that is not a number.
+    metrics = history
+    lines = _history(run)
     lines[2] = json.dumps(json.loads(lines[2]) | {"loss": "abc"})
     with open(metrics, "w") as f:
         f.write("\n".join(lines) + "\n")
     records = read_metrics(run)
-    assert [r["step"] for r in records] == [s for s in range(1, 41) if s != 3]
+    assert [r["step"] for r in records] == [
+        s for s in range(1, 41) if s not in (3, 10, 11)
+    ]
     warned = capsys.readouterr().err.strip().splitlines()
     assert len(warned) == 1 and metrics in warned[0] and "line 3" in warned[0]
     import cnftrace.plot

@@ -475,7 +475,7 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
         params, static = eqx.partition(flow, eqx.is_inexact_array)
 
         def loss(p, counter, static=static):
-            logp, stats = eqx.combine(p, static)._batch_log_prob(x, jr.key(3), counter)
+            logp, stats = eqx.combine(p, static).batch_log_prob(x, jr.key(3), counter)
             return -jnp.mean(logp), stats
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

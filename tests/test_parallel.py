@@ -26,7 +26,7 @@ import pytest
 import cnftrace
 from cnftrace.cli import main
 from cnftrace.runs import load_run
-from cnftrace.training._checkpoint import key_to_data, load_checkpoint
+from cnftrace.store._checkpoint import key_to_data, load_checkpoint
 from cnftrace.training._fit import checkpoint_config
 from cnftrace.training._parallel import check_batch_size, resolve_mesh
 

@@ -2,6 +2,7 @@
 size, chosen in one place and used by `MLPField`, `mlp_flow`, `fit` and `cnftrace
 train`. Nothing here trains: `fit` is replaced by a recorder where a run starts."""
 
+import inspect
 import json
 import os
 
@@ -12,7 +13,6 @@ import pytest
 
 import cnftrace
 from cnftrace.cli import main
-from cnftrace.training import _optim
 
 TINY = ["--steps", "2", "--batch-size", "16", "--depth", "1", "--no-progress"]
 
@@ -26,8 +26,10 @@ def test_the_width_follows_the_dimension(dim, width):
     assert recipe.width == width and recipe.depth == 3
     assert f"{dim} dimension" in recipe.reason and f"width {width}" in recipe.reason
     # fit's and Trainer's defaults are the recipe's.
-    assert recipe.batch_size == _optim.DEFAULT_BATCH_SIZE
-    assert recipe.lr == _optim.DEFAULT_LR
+    for fn in (cnftrace.fit, cnftrace.Trainer):
+        assert (
+            inspect.signature(fn).parameters["batch_size"].default == recipe.batch_size
+        )
     small = cnftrace.default_recipe(dim, rows=400)
     assert "400 training rows" in small.reason and small.width == 64
     # A table gets 64 units per 2,000 training rows (at least 64), up to the above.
@@ -113,14 +115,8 @@ def test_a_run_begun_under_an_older_recipe_resumes_as_it_began(
     np.savetxt(data, x, delimiter=",", fmt="%.6f")
     run = str(tmp_path / "run")
     argv = ["--data", data, "--run-dir", run]
+    # A run 64 wide, as an older recipe chose (today's gives these rows 128).
     _train(tmp_path, monkeypatch, [*argv, "--width", "64"], capsys)
-    # The run as an older cnftrace wrote it: 64 wide, no recipe line.
-    path = os.path.join(run, "config.json")
-    with open(path) as f:
-        stored = json.load(f)
-    del stored["recipe"]
-    with open(path, "w") as f:
-        json.dump(stored, f)
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)  # no --width: resumes
     assert _hidden_width(flow.vector_field) == 64  # not the 128 of today's recipe
     # Another width given on purpose is still another run.

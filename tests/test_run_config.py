@@ -10,6 +10,7 @@ import re
 import pytest
 
 from cnftrace import CheckpointError
+from cnftrace.cli._arguments import run_config
 from cnftrace.cli._main import make_parser
 from cnftrace.runs import RunConfig, read_config
 
@@ -24,7 +25,7 @@ def _train_parser():
 
 def _parse(*argv) -> RunConfig:
     args = make_parser().parse_args(["train", "--run-dir", "r", *argv])
-    return RunConfig.from_args(args)
+    return run_config(args)
 
 
 def test_every_setting_is_a_flag_whose_help_states_its_default():
@@ -89,12 +90,7 @@ def test_config_json_round_trip_and_unknown_keys(tmp_path):
     path.write_text(json.dumps({**stored, "widht": 8}))
     with pytest.raises(CheckpointError, match="does not know: widht"):
         read_config(str(path))
-    # A config written before a setting existed takes that setting's old value ...
-    old = {k: v for k, v in stored.items() if k not in ("field", "train_tol")}
-    path.write_text(json.dumps(old))
-    legacy = read_config(str(path))
-    assert legacy.field == "concatsquash" and legacy.train_tol is None
-    # ... but a setting every run has written is required.
+    # Every stored setting is required: a file without one is refused by name.
     path.write_text(json.dumps({k: v for k, v in stored.items() if k != "width"}))
     with pytest.raises(CheckpointError, match="lacks the settings width"):
         read_config(str(path))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._checks import memory_limit
 from .._io import file_kind
-from ..runs import RunConfig
+from ._arguments import run_config
 
 
 class UsageError(Exception):
@@ -28,7 +28,7 @@ def check_args(args) -> None:
     `RunConfig.check`, the others' here."""
     if args.command == "train":
         try:
-            RunConfig.from_args(args).check()
+            run_config(args).check()
         except ValueError as e:
             raise UsageError(str(e)) from None
         return

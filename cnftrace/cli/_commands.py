@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .. import training
 from .._checks import memory_limit, seed_key
 from .._io import atomic_write, file_kind
-from ..datasets import DataSource, digits_from_logit, toy_entropy
+from ..datasets import DataSource
 from ..runs import LoadedRun, load_run
+from ..store import _history
 from ..training import evaluate_nll
 from ._checks import (
     CommandFailed,
@@ -24,7 +24,7 @@ from ._checks import (
     check_fits_in_memory,
     nearest_existing,
 )
-from ._data import eval_size, list_datasets, run_source, score_report, write_samples
+from ._data import eval_size, list_datasets, run_source, write_samples
 
 
 def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
@@ -83,7 +83,7 @@ def cmd_eval(args) -> int:
     _check_writable(args.run_dir, eval_json, "evaluate a copy of the run")
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
-    if source.kind in ("tabular", "file") and args.seed != EVAL_SEED:
+    if source.fixed_test and args.seed != EVAL_SEED:
         raise UsageError(
             f"--seed {args.seed} does nothing here: it draws the test samples of a "
             "toy set and the dequantisation noise of images, and the test split of "
@@ -101,10 +101,8 @@ def cmd_eval(args) -> int:
         "stderr": nll.stderr,
         "nfe": nll.nfe,
         "n": int(test.shape[0]),
-        **score_report(source, nll.mean, args.seed, n),
+        **source.score(nll.mean, args.seed, n),
     }
-    if source.kind == "file":
-        result["units"] = "data"  # log_prob in the file's own units, scaling included
     line = (
         f"{shown} at step {step}: test NLL {nll.mean:.4f} ± {nll.stderr:.4f} "
         f"nats (exact trace, n={result['n']})"
@@ -145,29 +143,14 @@ def cmd_sample(args) -> int:
         print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
     # The standardised flow's samples, mapped to the data's units in float64.
     x = y if run.transform is None else run.transform.inverse(y)
-    if source is not None and source.kind == "images":
-        # Pixel intensities in [0, 1].
-        x = digits_from_logit(x).reshape(args.n, *source.image_shape)
-    x = _onto_grid(x, config.data_file)
-    names = (config.data_file or {}).get("names")
+    names = None
+    if config.data_file is not None:  # a run on files, sampled without reading them
+        x, names = config.data_file.onto_grid(x), config.data_file.names
+    else:
+        x = source.as_data(x)  # images: pixel intensities in [0, 1]
     write_samples(out, x, names)
     print(f"wrote {args.n} samples of shape {x.shape[1:]} to {out}")
     return 0
-
-
-def _onto_grid(x: np.ndarray, data_file: dict | None) -> np.ndarray:
-    """Samples of a run trained with `--dequantize` with each dequantised column
-    rounded back to its grid (the cell a sample falls in), as the data were; other
-    samples as they are."""
-    if not (data_file or {}).get("dequantize"):
-        return x
-    step = np.asarray(data_file["grid_steps"], np.float64)
-    origin = np.asarray(data_file["grid_origin"], np.float64)
-    on = step > 0
-    cells = np.round((x[:, on] - origin[on]) / step[on])
-    x = np.array(x, np.float64)
-    x[:, on] = origin[on] + cells * step[on]
-    return x
 
 
 # The seed `eval` draws its test samples with, unless --seed says otherwise.
@@ -229,12 +212,12 @@ def read_metrics(run_dir: str) -> list[dict]:
     later one never replaces it), in step order; lines that are not records of a
     step are skipped with one warning naming the file and the first one's line."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    records = training.read_records(
+    records = _history.read_records(
         path,
         needed=("step", "loss", "nfe"),  # what `plot_training_curves` draws
         warn=lambda m: print(f"cnftrace: {m}", file=sys.stderr),
     )
-    return training.dedupe(records)
+    return _history.dedupe(records)
 
 
 def cmd_plot(args) -> int:
@@ -250,7 +233,16 @@ def cmd_plot(args) -> int:
     run, source = _load(args.run_dir)
     config, flow, step = run.config, run.flow, run.step
     paths = []
-    if source.kind == "toy":
+    if source.image_shape is not None:
+        samples = np.asarray(flow.sample(seed_key(args.seed + 1), 64))
+        paths.append(
+            plot_image_grid(
+                source.as_data(samples),
+                os.path.join(plots, "samples.png"),
+                title=f"{config.data} samples, step {step}",
+            )
+        )
+    elif not source.fixed_test:  # a toy set: fresh samples, and the density in 2-D
         data = source.test(args.seed, 20_000)
         samples = np.asarray(flow.sample(seed_key(args.seed + 1), 20_000))
         paths.append(
@@ -262,19 +254,10 @@ def cmd_plot(args) -> int:
                 title=f"{config.data}, step {step}",
             )
         )
-    elif source.kind == "images":
-        samples = np.asarray(flow.sample(seed_key(args.seed + 1), 64))
-        paths.append(
-            plot_image_grid(
-                digits_from_logit(samples).reshape(64, *source.image_shape),
-                os.path.join(plots, "samples.png"),
-                title=f"{config.data} samples, step {step}",
-            )
-        )
     else:  # a table: the test rows beside as many samples, pair by pair
         data = source.test(args.seed, 0)
         samples = np.asarray(flow.sample(seed_key(args.seed + 1), data.shape[0]))
-        names = (config.data_file or {}).get("names")
+        names = None if config.data_file is None else config.data_file.names
         paths.append(
             plot_samples(
                 data,
@@ -286,10 +269,9 @@ def cmd_plot(args) -> int:
         )
     records = read_metrics(args.run_dir)
     if records:
-        entropy = toy_entropy(config.data) if source.kind == "toy" else None
         paths.append(
             plot_training_curves(
-                records, os.path.join(plots, "training.png"), entropy=entropy
+                records, os.path.join(plots, "training.png"), entropy=source.entropy
             )
         )
     for p in paths:

@@ -1,6 +1,6 @@
 """The command line's data: the source a run trains on (a built-in set, a set from
-`--data-dir`, or the user's files), the figures reported beside a test NLL, the list
-of `cnftrace datasets`, and samples written to a file."""
+`--data-dir`, or the user's files, with what pins them), the list of `cnftrace
+datasets`, and samples written to a file."""
 
 import dataclasses
 import difflib
@@ -24,12 +24,10 @@ from ..datasets import (
     UCI_DIMS,
     UCI_FILES,
     DataSource,
-    bits_per_dim,
     data_format,
     data_source,
     file_sha256,
     file_source,
-    gaussian_baseline_nll,
     load_digits,
     load_tabular,
     mnist_root,
@@ -37,51 +35,7 @@ from ..datasets import (
     toy_entropy_is_exact,
 )
 from ..runs import RunConfig
-from ..training import same_value
 from ._checks import CommandFailed, UsageError
-
-
-def score_report(source: DataSource, nll_y: float, seed: int, n: int) -> dict:
-    """The reference figures printed beside a test NLL: the true entropy of a toy
-    set, the full-covariance Gaussian baseline of a table (in the units the NLL is
-    in), bits per dimension for images."""
-    if source.kind == "toy":
-        return {"entropy": toy_entropy(source.name)}
-    test = source.test(seed, n)
-    try:
-        baseline = (
-            None
-            if source.reference is None
-            else gaussian_baseline_nll(source.reference, test)
-        )
-        undefined = None
-    except ValueError as e:  # a singular covariance: no baseline, and it is said
-        baseline, undefined = None, str(e)
-    if source.kind in ("tabular", "file"):
-        report = {"gaussian_baseline_nll": baseline}
-        if source.grid is not None:
-            # Spread over its cells, a row's density bounds its cell's probability:
-            # -log P(cell) <= NLL - sum of the log steps (Theis et al., 2016).
-            on = ~np.isnan(source.grid)
-            log_cell = float(np.sum(np.log(source.grid[on])))
-            report["dequantized_columns"] = int(on.sum())
-            report["test_nll_cells"] = nll_y - log_cell
-            if baseline is not None:
-                report["gaussian_baseline_nll_cells"] = baseline - log_cell
-    else:
-        mean_ld = float(np.mean(source.test_log_det(seed, n)))
-        levels = source.levels
-        report = {"bits_per_dim": bits_per_dim(nll_y - mean_ld, source.dim, levels)}
-        if source.reference is not None:
-            # The same dequantised test set the flow was scored on.
-            report["gaussian_baseline_bits_per_dim"] = (
-                None
-                if baseline is None
-                else bits_per_dim(baseline - mean_ld, source.dim, levels)
-            )
-    if undefined is not None:
-        report["gaussian_baseline_undefined"] = undefined
-    return report
 
 
 def _is_name(data) -> bool:
@@ -116,7 +70,7 @@ def eval_size(source: DataSource, n: int | None) -> int:
     data file, the first N rows of its fixed test split (all of them by default; a
     `UsageError` past its size); otherwise N, 5000 by default (drawn from a toy set,
     the first of MNIST's test images; the digits use their whole test split)."""
-    if source.kind not in ("tabular", "file"):
+    if not source.fixed_test:
         return 5000 if n is None else n
     size = source.test(0, None).shape[0]
     if n is not None and n > size:
@@ -180,36 +134,12 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
         )
     for w in caught:  # what the reading noted (a first line of numbers, say)
         print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
-    std = source.standardization
-    table = source.table
-    data_file = {
-        "paths": paths,
-        "sha256": list(table.sha256),
-        "rows": list(table.rows),
-        "columns": columns,
-        "names": None if table.names is None else list(table.names),
-        "array": config.array,
-        "val_fraction": config.val_fraction,
-        "test_fraction": config.test_fraction,
-        "split_seed": config.split_seed,
-        "standardize": std is not None,
-        "mean": None if std is None else np.asarray(std.mean).tolist(),
-        "scale": None if std is None else np.asarray(std.scale).tolist(),
-    }
-    if HEADERS[config.header] is not None:  # a run without it pins its file as before
-        data_file["header"] = HEADERS[config.header]
-    if config.drop_missing:  # a run without it pins its file as before
-        data_file["drop_missing"] = True
-        data_file["dropped_rows"] = list(table.dropped)
-        print(_dropped_line(table), flush=True)
-    if config.dequantize:  # a run without it pins its file as before
-        data_file["dequantize"] = True
-        on = ~np.isnan(source.grid)
-        data_file["grid_steps"] = np.where(on, source.grid, 0.0).tolist()
-        data_file["grid_origin"] = np.where(on, source.grid_origin, 0.0).tolist()
-        print(_dequantized_line(source.grid, table.names), flush=True)
+    if config.drop_missing:
+        print(_dropped_line(source.table), flush=True)
+    if config.dequantize:
+        print(_dequantized_line(source.grid, source.table.names), flush=True)
     shown = paths[0] if len(paths) == 1 else tuple(paths)
-    return source, {"data": shown, "data_file": data_file, "data_dir": None}
+    return source, {"data": shown, "data_file": source.data_file, "data_dir": None}
 
 
 # `--header` as `read_table`'s `header`.
@@ -252,14 +182,6 @@ def _dropped_line(table) -> str:
     return f"cnftrace: dropped {total} of {read} rows with missing values in {where}"
 
 
-# What in a data file's record decides the rows trained on, their split and their
-# standardisation, besides the files' bytes (`changed_files`); a record without
-# `drop_missing` (a run trained without it) has it off.
-_DATA_SETTINGS = ("columns", "array", "val_fraction", "test_fraction", "split_seed")
-_DATA_SETTINGS += ("standardize", "drop_missing", "header", "dequantize")
-_DATA_LEGACY = {"drop_missing": False, "header": None, "dequantize": False}
-
-
 def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
     """The settings of `old.data_file` that `new.data_file` changes (the columns,
     the split, the standardisation, `--drop-missing`), as `name: value there, value
@@ -267,23 +189,7 @@ def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
     written (the checkpoints would refuse them after)."""
     if old.data_file is None or new.data_file is None:
         return []  # a data set by name: `data` itself is compared
-    changed = []
-    for name in _DATA_SETTINGS:
-        default = _DATA_LEGACY.get(name)
-        there = _pinned(old.data_file, name, default)
-        now = _pinned(new.data_file, name, default)
-        if not same_value(there, now):
-            changed.append(f"{name}: {there!r} there, {now!r} now")
-    return changed
-
-
-def _pinned(data_file: dict, name: str, default):
-    """A setting of a data file's record; the column names stripped of blanks (a
-    run before that stored `--columns 'x, y'` as `["x", " y"]`)."""
-    value = data_file.get(name, default)
-    if name == "columns" and value is not None:
-        value = [c.strip() if isinstance(c, str) else c for c in value]
-    return value
+    return old.data_file.changed_settings(new.data_file)
 
 
 def as_pinned(config: RunConfig, old: RunConfig | None) -> RunConfig:
@@ -292,33 +198,29 @@ def as_pinned(config: RunConfig, old: RunConfig | None) -> RunConfig:
     as `["x", " y"]` resumes, its checkpoints holding that record."""
     if old is None or old.data_file is None or config.data_file is None:
         return config
-    there = old.data_file.get("columns")
-    if there is None or _pinned(old.data_file, "columns", None) != _pinned(
-        config.data_file, "columns", None
-    ):
+    there, now = old.data_file, config.data_file
+    same = there.settings()["columns"] == now.settings()["columns"]
+    if there.columns is None or not same:
         return config
-    return dataclasses.replace(config, data_file={**config.data_file, "columns": there})
+    pinned = dataclasses.replace(now, columns=there.columns)
+    return dataclasses.replace(config, data_file=pinned)
 
 
 def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
     """The files of `old.data_file` whose SHA-256 differs in `new.data_file` (the
     same path, other bytes), as readable lines."""
-    before, now = old.data_file or {}, new.data_file or {}
-    found = dict(zip(now.get("paths", []), now.get("sha256", [])))
-    return [
-        f"{path} (SHA-256 {sha[:12]}... when the run began, {found[path][:12]}... now)"
-        for path, sha in zip(before.get("paths", []), before.get("sha256", []))
-        if path in found and found[path] != sha
-    ]
+    if old.data_file is None or new.data_file is None:
+        return []
+    return old.data_file.changed_files(new.data_file)
 
 
 def run_source(config: RunConfig) -> DataSource:
     """The data source of a trained run, for `eval` and `plot`: a file's rows split
     again as in training, after checking that the file is the one trained on."""
-    data_file = config.data_file
-    if data_file is None:
+    pinned = config.data_file
+    if pinned is None:
         return data_source(config.data, data_dir=config.data_dir)
-    for path, sha in zip(data_file["paths"], data_file["sha256"]):
+    for path, sha in zip(pinned.paths, pinned.sha256):
         if not os.path.isfile(path):
             raise CommandFailed(
                 f"the run's data file {path} is gone; put it back to evaluate or plot "
@@ -327,22 +229,9 @@ def run_source(config: RunConfig) -> DataSource:
         _check_unchanged(path, sha, file_sha256(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # what reading it notes was said in training
-        source = file_source(
-            data_file["paths"],
-            columns=_pinned(data_file, "columns", None),
-            array=data_file["array"],
-            val_fraction=data_file["val_fraction"],
-            test_fraction=data_file["test_fraction"],
-            seed=data_file["split_seed"],
-            standardize=data_file["standardize"],
-            drop_missing=data_file.get("drop_missing", False),  # runs before: False
-            header=data_file.get("header"),
-            dequantize=data_file.get("dequantize", False),
-        )
+        source = pinned.read()
     # The bytes read are the ones trained on (the file may change in between).
-    for path, sha, now in zip(
-        data_file["paths"], data_file["sha256"], source.table.sha256
-    ):
+    for path, sha, now in zip(pinned.paths, pinned.sha256, source.table.sha256):
         _check_unchanged(path, sha, now)
     return source
 

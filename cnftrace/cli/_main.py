@@ -7,8 +7,9 @@ import warnings
 import jax.numpy as jnp
 
 from ..flows import SolverError
-from ..runs import RunConfig, integer_argument
-from ..training import CheckpointError, TrainingError, enable_compilation_cache
+from ..store import CheckpointError, enable_compilation_cache
+from ..training import TrainingError
+from ._arguments import add_run_arguments, integer_argument
 from ._checks import CommandFailed, UsageError, check_args
 from ._commands import EVAL_SEED, cmd_datasets, cmd_eval, cmd_plot, cmd_sample
 from ._train import cmd_train, initialize_distributed
@@ -56,7 +57,7 @@ def make_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, parents=[debug])
 
     p = add_parser("train", "train a flow (a built-in data set or your file)")
-    RunConfig.add_arguments(p)
+    add_run_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = add_parser("eval", "exact-trace test NLL of a trained run")

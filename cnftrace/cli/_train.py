@@ -6,9 +6,12 @@ Each training run lives in its own directory:
     RUN_DIR/config.json       the settings (`RunConfig.stored()`: the model is rebuilt
                               from them; for a data file, its SHA-256, split and
                               standardisation)
-    RUN_DIR/metrics.jsonl     one JSON record per logged step
+    RUN_DIR/metrics.jsonl     the history: one JSON record per step and validation,
+                              written by `fit` (cut back to the checkpoint's step on
+                              resume)
     RUN_DIR/checkpoints/      the newest checkpoints (model, optimiser, step, key)
     RUN_DIR/plots/            pictures written by `cnftrace plot`
+    RUN_DIR/.lock             held while the run trains: the run's one lock
 """
 
 import contextlib
@@ -16,25 +19,18 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.random as jr
 
-from .. import training
 from .._checks import seed_key
 from .._io import atomic_write
 from ..flows import fit_base
 from ..runs import RunConfig, read_config, run_flow, run_objective, run_optimizer
-from ..training import (
-    Checkpoints,
-    DirectoryLock,
-    Validation,
-    check_batch_size,
-    data_mesh,
-    fit,
-    is_main_process,
-)
+from ..store._lock import DirectoryLock
+from ..training import Checkpoints, Validation, data_mesh, fit
+from ..training._parallel import check_batch_size, is_main_process
+from ._arguments import run_config
 from ._checks import (
     CommandFailed,
     UsageError,
@@ -47,7 +43,7 @@ from ._data import as_pinned, changed_data_settings, changed_files, training_sou
 
 
 def cmd_train(args) -> int:
-    config = RunConfig.from_args(args).resolved()  # checked by `check_args`
+    config = run_config(args).resolved()  # checked by `check_args`
     check_run_dir(config.run_dir)
     mesh = _training_mesh(config)
     # Every data file is read and checked here, before anything is written.
@@ -98,11 +94,8 @@ def _fitted_base(config: RunConfig, source, existing: RunConfig | None):
     kind = config.base_to_fit(existing)
     if kind == "normal":
         return None, config.with_base("normal", None, "standard normal", existing)
-    train = source.reference
-    if source.standardization is not None:
-        train = source.standardization.forward(train)
     base, info = fit_base(
-        train,
+        source.to_model(source.reference),
         validation=source.validation,
         kind=kind,
         seed=config.seed % 2**32,
@@ -190,51 +183,20 @@ def _write_config(config: RunConfig) -> None:
     atomic_write(path, json.dumps(config.stored(), indent=2).encode())
 
 
-class _Metrics:
-    """`metrics.jsonl`, one record per step. Before this run's first record, the
-    records from its step on are cut away: those a killed run logged after its last
-    checkpoint, which this run takes again. So every step is in the file once. Lines
-    that are not records of a step, and repeats of a step, go too, with one warning
-    (`training.read_records`)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.log = None
-
-    def write(self, record: dict) -> None:
-        if self.log is None:
-            # What `cnftrace plot` needs of a record; older runs logged no more.
-            needed = ("step", "loss", "nfe")
-            training.truncate(self.path, record["step"] - 1, needed=needed)
-            self.log = training.Log(self.path)
-        self.log.write(record)
-
-    def close(self) -> None:
-        if self.log is not None:
-            self.log.close()
-
-
 def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]:
     """`fit` on the run directory: its history, and the step this process started
     training from (0 for a new run; `None` where the run had already finished)."""
     tty = sys.stderr.isatty() and not config.no_progress
-    metrics = _Metrics(os.path.join(config.run_dir, "metrics.jsonl"))
-    last = {"t": time.perf_counter()}
     start = None
 
     def on_log(record):
         nonlocal start
         if "loss" not in record:  # the validation of the flow as it starts
-            metrics.write(record)
             if not tty:
                 print(f"step       0  val_nll {record['val_nll']:.4f}", flush=True)
             return
         if start is None:
             start = record["step"] - 1
-        now = time.perf_counter()
-        record = dict(record, step_seconds=now - last["t"])
-        last["t"] = now
-        metrics.write(record)
         if not tty and record["step"] % config.print_every == 0:
             print(
                 f"step {record['step']:>7}/{config.steps}  loss {record['loss']:.4f}"
@@ -250,25 +212,26 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
             every=config.checkpoint_every,
             patience=config.patience or None,
         )
-    try:
-        _, history = fit(
-            flow,
-            source.train,
-            steps=config.steps,
-            batch_size=config.batch_size,
-            validation=validation,
-            checkpoints=Checkpoints(
-                os.path.join(config.run_dir, "checkpoints"),
-                every=config.checkpoint_every,
-                config=config.compared(),
-                legacy=RunConfig.legacy_values(),
-            ),
-            progress=tty,
-            on_log=on_log,
-            **settings,
-        )
-    finally:
-        metrics.close()
+    # One history file and one lock for the run: `fit` writes metrics.jsonl, and the
+    # run directory's lock, held by the caller, covers the checkpoints.
+    checkpoints = Checkpoints(
+        os.path.join(config.run_dir, "checkpoints"),
+        every=config.checkpoint_every,
+        config=config.compared(),
+        history=os.path.join(config.run_dir, "metrics.jsonl"),
+        lock=False,
+    )
+    _, history = fit(
+        flow,
+        source.train,
+        steps=config.steps,
+        batch_size=config.batch_size,
+        validation=validation,
+        checkpoints=checkpoints,
+        progress=tty,
+        on_log=on_log,
+        **settings,
+    )
     return history, start
 
 
@@ -286,13 +249,8 @@ def _other_steps(old: RunConfig, new: RunConfig) -> str:
 
 
 def _last_step(config: RunConfig, history: dict) -> tuple[int, str]:
-    """The last step trained and the words for its loss: from `fit`'s history, or,
-    where that is gone (checkpoints/history.jsonl deleted), from metrics.jsonl."""
+    """The last step trained and the words for its loss, from `fit`'s history (read
+    back from metrics.jsonl when the run had finished)."""
     if history["step"]:
         return history["step"][-1], f"final loss {history['loss'][-1]:.4f}"
-    path = os.path.join(config.run_dir, "metrics.jsonl")
-    records = training.read_records(path, needed=("step", "loss"), warn=lambda m: None)
-    if records:
-        last = max(records, key=lambda r: r["step"])
-        return last["step"], f"final loss {last['loss']:.4f} (from metrics.jsonl)"
-    return config.steps, "no final loss: the run's history files are gone"
+    return config.steps, "no final loss: the run's history file, metrics.jsonl, is gone"

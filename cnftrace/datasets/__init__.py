@@ -2,8 +2,15 @@
 dimension, targets known by their energy (a 2-D mixture with a known normaliser, the
 DW4 and LJ13 particle systems) with reference samplers, scikit-learn's bundled data,
 MAF's UCI sets and MNIST from files you provide, and your own tables of samples
-(`.csv`, `.tsv`, `.npy`, `.npz`, `.parquet`; compressed, or in a `.zip`)."""
+(`.csv`, `.tsv`, `.npy`, `.npz`, `.parquet`; compressed, or in a `.zip`), each as
+a training source of its own class, and the standardisation of a table."""
 
+from ._file_source import (
+    DataFile as DataFile,
+    FileSource as FileSource,
+    file_source as file_source,
+    grid_steps as grid_steps,
+)
 from ._files import (
     FORMATS_SHOWN as FORMATS_SHOWN,
     SPREADSHEETS as SPREADSHEETS,
@@ -12,7 +19,6 @@ from ._files import (
     data_format as data_format,
     file_sha256 as file_sha256,
     read_table as read_table,
-    split_table as split_table,
 )
 from ._known import (
     MARGINALS as MARGINALS,
@@ -44,13 +50,16 @@ from ._sources import (
     LOGIT_ALPHA as LOGIT_ALPHA,
     MNIST_LEVELS as MNIST_LEVELS,
     DataSource as DataSource,
+    ImageSource as ImageSource,
+    TableSource as TableSource,
+    ToySource as ToySource,
     data_source as data_source,
     digits_from_logit as digits_from_logit,
-    file_source as file_source,
     gaussian_baseline_nll as gaussian_baseline_nll,
-    grid_steps as grid_steps,
     mnist_root as mnist_root,
 )
+from ._split import split_table as split_table
+from ._standardization import Standardization as Standardization
 from ._targets import (
     TARGETS as TARGETS,
     EnergyTarget as EnergyTarget,
@@ -83,8 +92,11 @@ __all__ = [
     "MARGINALS",
     "MNIST_FILES",
     "MNIST_LEVELS",
+    "DataFile",
     "DataSource",
+    "FileSource",
     "FORMATS_SHOWN",
+    "ImageSource",
     "KnownDensity",
     "SPREADSHEETS",
     "EnergyTarget",
@@ -98,6 +110,9 @@ __all__ = [
     "UCI_DIMS",
     "UCI_FILES",
     "Splits",
+    "Standardization",
+    "TableSource",
+    "ToySource",
     "bits_per_dim",
     "data_format",
     "data_source",

@@ -1,32 +1,34 @@
-"""The data sets of the command line as training sources: toy 2-D sets, scikit-learn's
-tabular sets, the 8x8 digits (dequantised, in logit space), MAF's UCI sets and MNIST
-from a directory, and a user's own files, with the Gaussian baseline their test NLL
-is read against."""
+"""The data sets of the command line as training sources, one class per kind of data:
+toy 2-D sets, built-in tables (scikit-learn's, MAF's UCI sets from a directory),
+images (the 8x8 digits and MNIST, dequantised, in logit space), and a user's own
+files (`_file_source`), with the figures their test NLL is read against."""
 
+import abc
 import math
 import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
 from .._checks import seed_key
-from ..flows import Standardization
-from ._files import FORMATS_SHOWN, Table, read_table, split_table
+from ._files import FORMATS_SHOWN
 from ._mnist import _SOURCE as _MNIST_SOURCE, load_mnist_idx
 from ._real import (
     DIGIT_LEVELS,
     TABULAR_DATASETS,
     Splits,
+    bits_per_dim,
     dequantize,
     load_digits,
     load_tabular,
     logit_transform,
 )
-from ._toy import TOY_DATASETS, toy_sample
+from ._toy import TOY_DATASETS, toy_entropy, toy_sample
 from ._uci import _SOURCE as _UCI_SOURCE, UCI_DATASETS, load_uci
 
 ALL_DATASETS = TOY_DATASETS + TABULAR_DATASETS + ("digits",)
@@ -40,9 +42,15 @@ LOGIT_ALPHA = 1e-6
 
 
 @dataclass(frozen=True)
-class DataSource:
+class DataSource(abc.ABC):
     """What a training run needs from its data, as
-    [`data_source`][cnftrace.datasets.data_source] returns it.
+    [`data_source`][cnftrace.datasets.data_source] and
+    [`file_source`][cnftrace.datasets.file_source] return it: one final class per
+    kind of data ([`ToySource`][cnftrace.datasets.ToySource],
+    [`TableSource`][cnftrace.datasets.TableSource],
+    [`ImageSource`][cnftrace.datasets.ImageSource],
+    [`FileSource`][cnftrace.datasets.FileSource]), each answering for itself what
+    the command line asks of it.
 
     - `train`: `(key, n) -> batch` of fresh training samples (in model space).
     - `validation`: a fixed array in model space, or `None`.
@@ -54,35 +62,132 @@ class DataSource:
         of them for `n` of `None` or 0).
     - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing (0 if
         none), so `NLL_x = NLL_y - mean(test_log_det)`.
-    - `kind`: `"toy"`, `"tabular"`, `"images"` or `"file"`.
     - `reference`: training samples in the units of `test`, which the
-        full-covariance Gaussian baseline is fitted to (tabular data and files).
-    - `image_shape`, `levels`: for images, the shape of one image and its number of
-        grey levels.
-    - `standardization`: for a file, the map from its units to model space, or
-        `None`.
-    - `table`: for a file, the [`Table`][cnftrace.datasets.Table] read (column
-        names, paths, SHA-256 of each file).
-    - `grid`: for a file read with `dequantize`, each column's grid step in the
-        data's units (NaN for a column not on a grid; see
-        [`grid_steps`][cnftrace.datasets.grid_steps]), else `None`; `grid_origin`,
-        a value on each column's grid (its least training value).
+        full-covariance Gaussian baseline is fitted to (tables, files and the
+        digits), or `None`.
+    - `fixed_test` (a class attribute): whether `test` is a fixed split (its
+        first `n` rows, whatever the seed) rather than samples or noise drawn by
+        the seed.
     """
 
     name: str
     dim: int
     train: Callable
     validation: np.ndarray | None
-    test: Callable[[int, int], np.ndarray]
-    test_log_det: Callable[[int, int], np.ndarray]
-    kind: str  # "toy", "tabular", "images" or "file"
+    test: Callable[[int, int | None], np.ndarray]
+    test_log_det: Callable[[int, int | None], np.ndarray]
     reference: np.ndarray | None = None
-    image_shape: tuple[int, ...] | None = None
-    levels: int | None = None
-    standardization: Standardization | None = None
-    table: Table | None = None
-    grid: np.ndarray | None = None
-    grid_origin: np.ndarray | None = None
+    fixed_test: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def score(self, nll: float, seed: int, n: int | None) -> dict:
+        """The reference figures reported beside a test NLL of `nll` nats (in the
+        units of `test`) on `test(seed, n)`, as a dict of JSON values."""
+
+    @property
+    def entropy(self) -> float | None:
+        """The data's true differential entropy in nats, where it is known (the
+        toy sets), else `None`."""
+        return None
+
+    @property
+    def image_shape(self) -> tuple[int, ...] | None:
+        """The shape of one image, for images; `None` for other data."""
+        return None
+
+    def to_model(self, x: np.ndarray) -> np.ndarray:
+        """Samples in the units of `test` mapped to model space (the units the flow
+        trains in): the identity, except for a standardised file."""
+        return x
+
+    def as_data(self, y: np.ndarray) -> np.ndarray:
+        """A flow's samples in the units of `test`, as the data look: images as
+        pixel intensities in `[0, 1]` of shape `image_shape`, other data as they
+        are."""
+        return y
+
+
+def _baseline(source: DataSource, test: np.ndarray) -> tuple[float | None, str | None]:
+    """`(nll, why)`: the test NLL of the full-covariance Gaussian fitted to the
+    source's reference rows (`None` without them), or, where its covariance is
+    singular, `None` and the reason."""
+    if source.reference is None:
+        return None, None
+    try:
+        return gaussian_baseline_nll(source.reference, test), None
+    except ValueError as e:  # a singular covariance: no baseline, and it is said
+        return None, str(e)
+
+
+def table_score(source: DataSource, test: np.ndarray) -> dict:
+    """The score of a table on `test`: its full-covariance Gaussian baseline (and
+    why it is undefined, where it is)."""
+    baseline, undefined = _baseline(source, test)
+    report = {"gaussian_baseline_nll": baseline}
+    if undefined is not None:
+        report["gaussian_baseline_undefined"] = undefined
+    return report
+
+
+@dataclass(frozen=True)
+class ToySource(DataSource):
+    """A toy 2-D set (`TOY_DATASETS`): fresh samples every batch and test set, no
+    validation set; scored against its true entropy."""
+
+    @property
+    def entropy(self) -> float:
+        return toy_entropy(self.name)
+
+    def score(self, nll, seed, n):
+        return {"entropy": self.entropy}
+
+
+@dataclass(frozen=True)
+class TableSource(DataSource):
+    """A built-in table of rows (scikit-learn's tables, MAF's UCI sets): batches
+    drawn from its training rows, fixed validation and test splits; scored against
+    the full-covariance Gaussian fitted to its training rows (`reference`)."""
+
+    fixed_test: ClassVar[bool] = True
+
+    def score(self, nll, seed, n):
+        return table_score(self, self.test(seed, n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageSource(DataSource):
+    """Dequantised images in logit space (the digits, MNIST), flattened: fresh
+    noise in every batch, fixed noise (by the seed) in the validation and test
+    sets; scored in bits per dimension.
+
+    - `shape`: the shape of one image.
+    - `levels`: its number of grey levels.
+    """
+
+    shape: tuple[int, ...]
+    levels: int
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def as_data(self, y):
+        return digits_from_logit(np.asarray(y)).reshape(-1, *self.shape)
+
+    def score(self, nll, seed, n):
+        mean_ld = float(np.mean(self.test_log_det(seed, n)))
+        report = {"bits_per_dim": bits_per_dim(nll - mean_ld, self.dim, self.levels)}
+        if self.reference is not None:
+            # The same dequantised test set the flow was scored on.
+            baseline, undefined = _baseline(self, self.test(seed, n))
+            report["gaussian_baseline_bits_per_dim"] = (
+                None
+                if baseline is None
+                else bits_per_dim(baseline - mean_ld, self.dim, self.levels)
+            )
+            if undefined is not None:
+                report["gaussian_baseline_undefined"] = undefined
+        return report
 
 
 def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
@@ -174,51 +279,6 @@ def _resampled(train: np.ndarray, width: np.ndarray | None = None) -> Callable:
     return sample
 
 
-# How close to a whole number of grid steps a value must be to be on the grid.
-_GRID_TOLERANCE = 1e-6
-
-
-def grid_steps(rows: np.ndarray) -> np.ndarray:
-    """Each column's grid step: for a column whose values all lie a whole number of
-    one step apart (counts, rounded measurements: at most one distinct value per two
-    rows, so that it is not a continuous column that happens to fit), that step, the
-    smallest gap between its distinct values; NaN for the others.
-
-    !!! example
-
-        ```python
-        import numpy as np
-        from cnftrace.datasets import grid_steps
-
-        rows = np.array([[1.0, 0.25], [3.0, 0.5], [2.0, 0.75], [5.0, 1.0]] * 3)
-        rows[:, 1] += np.random.default_rng(0).normal(size=12)  # a continuous column
-        print(grid_steps(rows))  # [ 1. nan]
-        ```
-    """
-    rows = np.asarray(rows, np.float64)
-    steps = np.full(rows.shape[1], np.nan)
-    for j in range(rows.shape[1]):
-        values = np.unique(rows[:, j])
-        if values.size < 2 or values.size > rows.shape[0] / 2:
-            continue
-        # To 12 significant digits: 0.1 rather than the 0.0999999999999943 between
-        # two decimal values in binary.
-        step = float(f"{np.min(np.diff(values)):.12g}")
-        ratios = (values - values[0]) / step
-        if np.all(np.abs(ratios - np.round(ratios)) < _GRID_TOLERANCE):
-            steps[j] = step
-    return steps
-
-
-def _dequantized(rows: np.ndarray, steps: np.ndarray, seed: int) -> np.ndarray:
-    """`rows` with each grid column moved by one fixed draw of uniform noise over
-    its grid cell (seeded: a run's validation and test rows are the same each time
-    they are read)."""
-    width = np.nan_to_num(steps)
-    u = np.random.default_rng(seed).uniform(-0.5, 0.5, rows.shape)
-    return rows + u * width[None]
-
-
 def _first_rows(test: np.ndarray) -> tuple[Callable, Callable]:
     """`test` and `test_log_det` of a fixed test split: its first `n` rows (all of
     them for `n` of `None` or 0), and as many zeros."""
@@ -228,14 +288,13 @@ def _first_rows(test: np.ndarray) -> tuple[Callable, Callable]:
     )
 
 
-def _tabular(name: str, splits: Splits) -> DataSource:
-    return DataSource(
+def _tabular(name: str, splits: Splits) -> TableSource:
+    return TableSource(
         name,
         splits.train.shape[1],
         _resampled(splits.train),
         splits.val,
         *_first_rows(splits.test),
-        "tabular",
         reference=splits.train,
     )
 
@@ -263,21 +322,20 @@ def _images(name, splits, image_shape, n_levels, validation_rows=None):
     def test_log_det(seed, n):
         return fixed(splits.test, seed, None if name == "digits" else n)[1]
 
-    return DataSource(
+    return ImageSource(
         name,
         dim,
         sample,
         fixed(splits.val, 1, validation_rows)[0],
         test,
         test_log_det,
-        "images",
         reference=fixed(splits.train, 0)[0] if name == "digits" else None,
-        image_shape=image_shape,
+        shape=tuple(image_shape),
         levels=n_levels,
     )
 
 
-def _mnist(data_dir) -> DataSource:
+def _mnist(data_dir) -> ImageSource:
     images, _, test, _ = load_mnist_idx(mnist_root(data_dir))
     cut = max(images.shape[0] - _MNIST_VALIDATION, images.shape[0] // 2)
     splits = Splits(images[:cut], images[cut:], test)
@@ -334,14 +392,13 @@ def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> Data
                 f"{name}: a file in {os.fspath(data_dir)} is malformed: {e}. {source}"
             ) from None
     if name in TOY_DATASETS:
-        return DataSource(
+        return ToySource(
             name,
             2,
             lambda k, n: toy_sample(name, k, n),
             None,
             lambda seed, n: np.asarray(toy_sample(name, seed_key(seed), n)),
             lambda seed, n: np.zeros(n),
-            "toy",
         )
     if name in TABULAR_DATASETS:
         return _tabular(name, load_tabular(name))
@@ -350,143 +407,4 @@ def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> Data
     raise ValueError(
         f"unknown data set {name!r}; choose from {ALL_DATASETS + DIRECTORY_DATASETS}, "
         f"or give a data file ({FORMATS_SHOWN})."
-    )
-
-
-def file_source(
-    paths: str | os.PathLike | list,
-    *,
-    columns=None,
-    array: str | None = None,
-    val_fraction: float = 0.1,
-    test_fraction: float = 0.1,
-    seed: int = 0,
-    standardize: bool = True,
-    drop_missing: bool = False,
-    header: bool | None = None,
-    dequantize: bool = False,
-) -> DataSource:
-    """A user's own table of samples as a training source: the files read and checked
-    by [`read_table`][cnftrace.datasets.read_table], split by
-    [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split), and,
-    with `standardize`, standardised by the training rows' mean and standard
-    deviation, in float64 on the host (a large offset keeps its precision). Batches
-    are drawn from the training rows (standardised), the validation rows are
-    standardised too, and `test(seed, n)` returns the first `n` test rows (all of
-    them for `n` of `None` or 0) in the data's own units. A column that takes one
-    value over the training rows is refused by name: it has no density to learn;
-    so, without `standardize`, is a value beyond the range of JAX's float (float32
-    unless x64 is on), in which the data are then used. With `drop_missing`, the
-    rows with a missing value in the chosen columns are dropped before the split
-    (`source.table.dropped` counts them per file); without it, they are refused.
-    With `dequantize`, each column whose values lie on a grid
-    ([`grid_steps`][cnftrace.datasets.grid_steps]: counts, rounded values) is
-    dequantised: each training batch moves it by uniform noise over its grid cell,
-    and the validation and test rows by one fixed draw, so the flow learns a density
-    spread over each cell rather than spikes on the grid values.
-    `header`: whether a text file's first line names its columns (see
-    [`read_table`][cnftrace.datasets.read_table]).
-
-    !!! example
-
-        ```python
-        import numpy as np
-        from cnftrace.datasets import file_source
-
-        rng = np.random.default_rng(0)
-        np.save("points.npy", rng.normal(size=(50, 3)) * [1.0, 10.0, 100.0])
-        source = file_source("points.npy", seed=0)
-        print(source.dim, source.train(jr.key(0), 4).shape)  # 3 (4, 3)
-        print(source.standardization.scale)                   # about [1, 10, 100]
-        ```
-    """
-    table = read_table(
-        paths, columns=columns, array=array, drop_missing=drop_missing, header=header
-    )
-    name = table.paths[0] if len(table.paths) == 1 else " + ".join(table.paths)
-    dropped = sum(table.dropped)
-    left = f"{name} ({dropped} rows with missing values dropped)" if dropped else name
-    splits = split_table(
-        table.data,
-        val_fraction=val_fraction,
-        test_fraction=test_fraction,
-        seed=seed,
-        name=left,
-    )
-    spread = splits.train.max(axis=0) - splits.train.min(axis=0)
-    if np.any(spread == 0):
-        j = int(np.flatnonzero(spread == 0)[0])
-        column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
-        value = splits.train[0, j].item()  # a Python number, printed as one
-        raise ValueError(
-            f"{name}: {column} is constant over the {splits.train.shape[0]} training "
-            f"rows (always {value!r}): a zero variance, which cannot be "
-            "standardised and has no density to learn. Leave it out with `--columns`."
-        )
-    # In float64 on the host until standardised: a large offset keeps its precision.
-    std = Standardization.from_data(splits.train, name=name) if standardize else None
-    _check_range(table, std)
-    to_model = std.forward if standardize else np.asarray
-    grid, width, val, test = None, None, splits.val, splits.test
-    reference = splits.train
-    if dequantize:
-        grid = grid_steps(splits.train)
-        if np.all(np.isnan(grid)):
-            raise ValueError(
-                f"{name}: no column takes its values on a grid (whole multiples of "
-                "one step apart, at most one distinct value per two rows), so "
-                "dequantize has nothing to do; drop it."
-            )
-        width = np.nan_to_num(grid) / (1.0 if std is None else np.asarray(std.scale))
-        # Fixed draws (by the split seed) for the held-out rows; fresh ones in each
-        # training batch.
-        val = _dequantized(splits.val, grid, seed + 1)
-        test = _dequantized(splits.test, grid, seed + 2)
-        # What baselines and a fitted base see: the training rows, one fixed draw.
-        reference = _dequantized(splits.train, grid, seed)
-    return DataSource(
-        name,
-        table.data.shape[1],
-        _resampled(to_model(splits.train), width),
-        to_model(val) if splits.val.shape[0] else None,
-        *_first_rows(test),
-        "file",
-        reference=reference,
-        standardization=std,
-        table=table,
-        grid=grid,
-        grid_origin=None if grid is None else splits.train.min(axis=0),
-    )
-
-
-def _check_range(table: Table, std: Standardization | None) -> None:
-    """A `ValueError` naming the first value of `table` that is beyond the range of
-    JAX's default float (float32 unless x64 is on) in the units the flow sees it
-    in: as it is, or standardised by `std`."""
-    dtype = np.dtype(jnp.result_type(float))
-    largest = np.finfo(dtype).max
-    seen = table.data if std is None else std.forward(table.data)
-    big = ~(np.abs(seen) <= largest)
-    if not big.any():
-        return
-    r, j = (int(i[0]) for i in np.nonzero(big))
-    ends = np.cumsum(table.rows)
-    f = int(np.searchsorted(ends, r, side="right"))
-    row = r - (int(ends[f - 1]) if f else 0)
-    if table.dropped and table.dropped[f]:
-        row = f"{row} of those kept"
-    column = f"column {j}" + (f" ({table.names[j]!r})" if table.names else "")
-    where = f"{table.paths[f]}: {column} holds {table.data[r, j].item()!r} (row {row})"
-    beyond = f"beyond the range of {dtype} (largest {largest:.4g})"
-    if std is None:
-        raise ValueError(
-            f"{where}, {beyond}, in which data that is not standardised is used. "
-            "Standardise it (leave out `--no-standardize`), or rescale that column."
-        )
-    mean, scale = np.asarray(std.mean)[j].item(), np.asarray(std.scale)[j].item()
-    raise ValueError(
-        f"{where}, which standardised by the training rows (mean {mean:.4g}, "
-        f"standard deviation {scale:.4g}) is {seen[r, j].item():.4g}, {beyond}: a "
-        "value this far from the others cannot be modelled. Correct or remove "
-        "that row."
     )

@@ -40,6 +40,10 @@ from jaxtyping import Array, Float
 from .._checks import check_int, check_key, check_positive
 from .._custom_types import Key
 
+# Metropolis chains' steps discarded at the start and between kept samples.
+_BURN_IN = 2000
+_THIN = 50
+
 TARGETS: tuple[str, ...] = ("mixture2d", "dw4", "lj13")
 
 
@@ -234,8 +238,8 @@ class ParticleEnergy(EnergyTarget):
         dtype=None,
         *,
         chains: int = 1000,
-        burn_in: int = 2000,
-        thin: int = 50,
+        burn_in: int = _BURN_IN,
+        thin: int = _THIN,
         temperatures: tuple[float, ...] = (1.0, 1.5, 2.25, 3.4, 5.0),
     ):
         check_key("key", key)
@@ -445,8 +449,8 @@ def random_walk_metropolis(
     samples_per_chain: int,
     *,
     key: Key,
-    burn_in: int = 2000,
-    thin: int = 50,
+    burn_in: int = _BURN_IN,
+    thin: int = _THIN,
     step_size: float = 0.1,
     acceptance: float = 0.3,
     mean_free: bool = False,

@@ -7,10 +7,7 @@ divergence of a function and the trace of a lineax operator.
 of their matrix-vector products on a low-rank sketch.
 """
 
-from ._base import (
-    AbstractEstimator as AbstractEstimator,
-    check_estimator as check_estimator,
-)
+from ._base import AbstractEstimator as AbstractEstimator
 from ._divergence import divergence as divergence
 from ._exact import Exact as Exact
 from ._hutchinson import Hutchinson as Hutchinson

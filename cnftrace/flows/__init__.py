@@ -5,11 +5,7 @@ probability-flow ODE of diffusion and flow-matching models trained elsewhere (wi
 their noise schedules)."""
 
 from ._base import AbstractFlow as AbstractFlow
-from ._base_fit import (
-    BASE_KINDS as BASE_KINDS,
-    base_template as base_template,
-    fit_base as fit_base,
-)
+from ._base_fit import BASE_KINDS as BASE_KINDS, fit_base as fit_base
 from ._builders import (
     ACTIVATIONS as ACTIVATIONS,
     DEFAULT_ACTIVATION as DEFAULT_ACTIVATION,
@@ -21,13 +17,14 @@ from ._chain import Chain as Chain, make_flow as make_flow
 from ._cnf import CNF as CNF
 from ._distributions import (
     AbstractBase as AbstractBase,
-    GaussianMixture as GaussianMixture,
     Normal as Normal,
     StandardNormal as StandardNormal,
+)
+from ._mixtures import (
+    GaussianMixture as GaussianMixture,
     StudentT as StudentT,
     StudentTMixture as StudentTMixture,
 )
-from ._inputs import need_key as need_key, validate_input as validate_input
 from ._multiscale import (
     MultiscaleFlow as MultiscaleFlow,
     default_n_scales as default_n_scales,
@@ -53,7 +50,6 @@ from ._schedules import (
     VPSchedule as VPSchedule,
 )
 from ._standardized import (
-    Standardization as Standardization,
+    AbstractStandardization as AbstractStandardization,
     StandardizedFlow as StandardizedFlow,
-    standardize_on_host as standardize_on_host,
 )

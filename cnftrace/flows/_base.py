@@ -14,7 +14,6 @@ step-size controller uses the maximum over samples of each sample's RMS error.
 
 import abc
 import math
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -42,9 +41,6 @@ from ._programs import (
     transform_program,
 )
 
-if TYPE_CHECKING:  # the type of `blocks`; `_cnf` imports this module
-    from ._cnf import CNF
-
 
 class AbstractFlow(eqx.Module):
     """A normalizing flow over a base distribution, built from CNF blocks.
@@ -57,8 +53,8 @@ class AbstractFlow(eqx.Module):
     and `sample` the other way.
 
     Every flow says what it holds: `blocks`, its CNF blocks in the order data passes
-    them (a [`CNF`][cnftrace.CNF] is its own one block; chains of chains are
-    flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
+    them (each a [`CNF`][cnftrace.CNF], which is its own one block; chains of chains
+    are flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
     entries. Every flow also has a `base`, the
     [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to (a
     [`StandardNormal`][cnftrace.StandardNormal] unless another was given), part of
@@ -87,7 +83,9 @@ class AbstractFlow(eqx.Module):
         ```
     """
 
-    blocks: eqx.AbstractVar[tuple["CNF", ...]]
+    # Each a `CNF` (with its `estimator`, `rtol` and `atol`): `_cnf` builds on this
+    # module, so the type says only that a block is a flow.
+    blocks: eqx.AbstractVar[tuple["AbstractFlow", ...]]
     base: eqx.AbstractVar[AbstractBase]
 
     @property
@@ -246,12 +244,42 @@ class AbstractFlow(eqx.Module):
         logp, reg, stats = log_prob_program(self, x, key, context, True)
         return raise_on_failure(logp, stats), reg, stats
 
-    def _batch_log_prob(
-        self, x, key, counter=None, *, context=None, regularize: bool = False
+    def batch_log_prob(
+        self,
+        x: Float[Array, "batch ..."],
+        key: Key | None,
+        counter: Float[Array, ""] | None = None,
+        *,
+        context: Float[Array, "batch context"] | None = None,
+        regularize: bool = False,
     ):
-        """`log_prob` of a checked batch `x` with the solver statistics, and with
-        `regularize` also the [`Regularization`][cnftrace.Regularization] between
-        them; `counter` as in [`transform`][cnftrace.AbstractFlow.transform]."""
+        """The log-density of a batch, for code that calls it inside its own
+        compiled program: what objectives and evaluation use.
+
+        Unlike [`log_prob`][cnftrace.AbstractFlow.log_prob], the input is not
+        checked (`x` must be a batch `(n, *event_shape)`, `context` one row per
+        sample) and a failed solve does not raise: the statistics' `result` says
+        so, for the caller to check. It is `base.log_prob(z) + log_det` of
+        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, so every flow
+        has it by defining `transform`.
+
+        **Arguments:**
+
+        - `x`: a batch of shape `(n, *event_shape)`.
+        - `key`: a PRNG key for a stochastic estimator's probes (`None` for the
+            exact trace).
+        - `counter`: as in [`transform`][cnftrace.AbstractFlow.transform]: a float
+            scalar whose gradient counts the backward evaluations.
+        - `context`: for a conditional flow, one context row per sample.
+        - `regularize`: also compute RNODE's
+            [`Regularization`][cnftrace.Regularization] integrals.
+
+        **Returns:**
+
+        `(log_prob, stats)` with `log_prob` of shape `(n,)` and the
+        [`SolveStats`][cnftrace.SolveStats]; with `regularize`, `(log_prob,
+        regularization, stats)`.
+        """
         z, log_det, stats, reg = self.transform(
             x,
             inverse=False,

@@ -16,13 +16,8 @@ import numpy as np
 from scipy import optimize, special
 
 from .._checks import check_int
-from ._distributions import (
-    AbstractBase,
-    GaussianMixture,
-    StandardNormal,
-    StudentT,
-    StudentTMixture,
-)
+from ._distributions import AbstractBase, StandardNormal
+from ._mixtures import GaussianMixture, StudentT, StudentTMixture
 
 BASE_KINDS = ("auto", "normal", "mixture", "t-mixture", "student-t")
 # The degrees of freedom EM starts from (the best of these for the mixture's first

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, is_int
 from .._custom_types import Key
+from .._defaults import ATOL, MAX_STEPS, MULTISCALE_T1, RTOL
 from ..estimators import AbstractEstimator
 from ..nets import ConvField
 from ..ode import SolveStats
@@ -183,14 +184,14 @@ class MultiscaleFlow(AbstractFlow):
         hidden: Sequence[int] = (64, 64, 64),
         activation: Callable[[Array], Array] = jax.nn.softplus,
         zero_last: bool = False,
-        t1: float = 1.0,
+        t1: float = MULTISCALE_T1,
         learn_t1: bool = False,
         solver: diffrax.AbstractSolver | None = None,
-        rtol: float = 1e-5,
-        atol: float = 1e-5,
+        rtol: float = RTOL,
+        atol: float = ATOL,
         adjoint: diffrax.AbstractAdjoint | None = None,
         estimator: AbstractEstimator | None = None,
-        max_steps: int = 4096,
+        max_steps: int = MAX_STEPS,
         base: AbstractBase | None = None,
         key: Key,
         dtype=None,

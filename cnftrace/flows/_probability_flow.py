@@ -25,14 +25,13 @@ from typing import Literal
 
 import diffrax
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float
 
 from .._checks import check_int, is_number
 from .._custom_types import Key
+from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL
 from ..estimators import AbstractEstimator
 from ._base import AbstractFlow
 from ._cnf import CNF
@@ -44,6 +43,12 @@ from ._estimates import (
     dequantized_bits,
     make_estimate,
 )
+from ._flow_checks import (
+    check_eps,
+    check_model_output,
+    check_model_shape,
+    check_schedule,
+)
 from ._inputs import need_key, tracing, validate_input
 from ._programs import log_prob_program, raise_on_failure
 from ._schedules import AbstractSchedule
@@ -54,36 +59,6 @@ MODEL_KINDS = ("velocity", "score", "noise", "data")
 # The truncation of a diffusion model's interval at the data end: score_sde's
 # likelihood default.
 DEFAULT_DIFFUSION_EPS = 1e-5
-
-# How many times of `[eps, t_end]` the schedule is checked at, ends included.
-_GRID = 1025
-
-
-def check_model_output(out, x, kind: str):
-    """The model's output `out` for one sample `x`, checked when traced (at no
-    run-time cost): an array of `x`'s shape and dtype."""
-    shape = getattr(out, "shape", None)
-    dtype = getattr(out, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(
-            f"the {kind} model must return an array shaped like its input `x`; it "
-            f"returned {type(out).__name__}."
-        )
-    if tuple(shape) != tuple(x.shape):
-        raise ValueError(
-            f"the {kind} model returned shape {tuple(shape)} for one sample of shape "
-            f"{tuple(x.shape)}; it is called on one sample `x` and a scalar `t`, and "
-            "must return an array of `x`'s shape. A model written for batches can be "
-            "wrapped as `lambda t, x: net(t[None], x[None])[0]`."
-        )
-    if dtype != x.dtype:
-        raise TypeError(
-            f"the {kind} model returned dtype {dtype} for a sample of dtype "
-            f"{x.dtype}; return the sample's dtype, e.g. "
-            "`lambda t, x: net(t, x).astype(x.dtype)`, or give the flow data of the "
-            "model's dtype."
-        )
-    return out
 
 
 class _Drift(eqx.Module):
@@ -231,14 +206,14 @@ class ProbabilityFlow(AbstractFlow):
         eps: float | None = None,
         prior: AbstractBase | None = None,
         solver: diffrax.AbstractSolver | None = None,
-        rtol: float = 1e-5,
-        atol: float = 1e-5,
+        rtol: float = RTOL,
+        atol: float = ATOL,
         adjoint: diffrax.AbstractAdjoint | None = None,
         estimator: AbstractEstimator | None = None,
-        max_steps: int = 4096,
+        max_steps: int = MAX_STEPS,
         dt0: float | None = None,
-        pcoeff: float = 0.4,
-        icoeff: float = 0.3,
+        pcoeff: float = PCOEFF,
+        icoeff: float = ICOEFF,
     ):
         if not callable(model):
             raise TypeError(
@@ -282,9 +257,9 @@ class ProbabilityFlow(AbstractFlow):
             data_time, noise_time = 0.0, schedule.t_end
             eps = DEFAULT_DIFFUSION_EPS if eps is None else eps
         length = abs(noise_time - data_time)
-        _check_eps(eps, length, kind)
+        check_eps(eps, length, kind)
         if schedule is not None and not tracing(schedule):
-            _check_schedule(schedule, kind, eps)
+            check_schedule(schedule, kind, eps)
         direction = 1 if noise_time > data_time else -1
         drift = _Drift(model, kind, schedule, float(data_time), direction)
         cnf = CNF(
@@ -310,7 +285,7 @@ class ProbabilityFlow(AbstractFlow):
                 else Normal(cnf.shape, scale=scale)
             )
         self.cnf = cnf.with_base(prior)
-        _check_model_shape(model, self.cnf.shape, kind)
+        check_model_shape(model, self.cnf.shape, kind)
         self.data_time = float(data_time)
         self.noise_time = float(noise_time)
         self.eps = float(eps)
@@ -599,63 +574,3 @@ class ProbabilityFlow(AbstractFlow):
         tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
         logp, stats = self._solve_tiled(tiled, key)
         return logp.reshape(repeats, -1), stats
-
-
-def _check_eps(eps, length: float, kind: str) -> None:
-    if not is_number(eps):
-        raise TypeError(f"`eps` must be a number; got {eps!r}.")
-    low_ok = eps >= 0 if kind == "velocity" else eps > 0
-    if not (math.isfinite(eps) and low_ok and eps < length):
-        interval = f"[0, {length:g})" if kind == "velocity" else f"(0, {length:g})"
-        hint = (
-            "0 integrates the whole interval"
-            if kind == "velocity"
-            else "score_sde uses 1e-5; the score diverges where sigma vanishes"
-        )
-        raise ValueError(
-            f"`eps`, the truncation of the time interval at the data end, must lie "
-            f"in {interval} for a {kind} model (the interval's length is "
-            f"{length:g}); got {eps!r}. {hint[0].upper()}{hint[1:]}."
-        )
-
-
-def _check_schedule(schedule: AbstractSchedule, kind: str, eps: float) -> None:
-    """`sigma` (and for score and noise models `alpha`) finite and above the
-    precision of their dtype on a grid of `[eps, t_end]`: the drift divides by
-    them."""
-    t_end = float(schedule.t_end)
-    times = np.linspace(eps, t_end, _GRID)
-    grid = jnp.asarray(times)
-    names = ("sigma", "alpha") if kind in ("score", "noise") else ("sigma",)
-    for name in names:
-        values = jax.vmap(getattr(schedule, name))(grid)
-        # Zero to the schedule's own precision counts as zero: cos(pi / 2) is 6e-17.
-        tiny = float(jnp.finfo(values.dtype).eps)
-        values = np.asarray(values, np.float64)
-        bad = ~(np.isfinite(values) & (values > tiny))
-        if not bad.any():
-            continue
-        i = int(np.flatnonzero(bad)[0])
-        fix = (
-            f"raise `eps` past it (the ODE starts at t = eps = {eps:g})"
-            if name == "sigma"
-            else "end the interval before it, with the schedule's `t_end`"
-            + ("" if kind == "data" else ", or use a data-prediction model")
-        )
-        raise ValueError(
-            f"the schedule's {name}(t) is {values[i]:g} (zero to its precision) at "
-            f"t = {times[i]:.6g}, inside "
-            f"the integrated interval [eps, t_end] = [{eps:g}, {t_end:g}]; the "
-            f"probability-flow drift of a {kind} model divides by {name}(t), which "
-            f"must stay positive there: {fix}."
-        )
-
-
-def _check_model_shape(model, shape: tuple[int, ...], kind: str) -> None:
-    """The model's output shape and dtype for one sample of the default float,
-    checked without running it."""
-    dtype = jnp.result_type(float)
-    x = jax.ShapeDtypeStruct(shape, dtype)
-    t = jax.ShapeDtypeStruct((), dtype)
-    out = eqx.filter_eval_shape(model, t, x)
-    check_model_output(out, x, kind)

@@ -39,7 +39,7 @@ def _compiled(fn: Callable) -> Callable:
 
 @_compiled
 def log_prob_program(flow, x, key, context, regularize):
-    return flow._batch_log_prob(x, key, context=context, regularize=regularize)
+    return flow.batch_log_prob(x, key, context=context, regularize=regularize)
 
 
 @_compiled

@@ -21,6 +21,10 @@ from jaxtyping import Array, Float
 
 from .._checks import check_positive, is_number
 
+# The linear rate of the VP and sub-VP SDEs of Song et al. (2021), score_sde's.
+_BETA_MIN = 0.1
+_BETA_MAX = 20.0
+
 Time = float | Float[Array, ""]
 
 
@@ -158,8 +162,8 @@ class VPSchedule(_AbstractLinearRate):
         ```
     """
 
-    beta_min: float = 0.1
-    beta_max: float = 20.0
+    beta_min: float = _BETA_MIN
+    beta_max: float = _BETA_MAX
     t_end: float = 1.0
 
     def sigma(self, t):
@@ -183,8 +187,8 @@ class SubVPSchedule(_AbstractLinearRate):
     (score_sde's).
     """
 
-    beta_min: float = 0.1
-    beta_max: float = 20.0
+    beta_min: float = _BETA_MIN
+    beta_max: float = _BETA_MAX
     t_end: float = 1.0
 
     def sigma(self, t):

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int
 from .._custom_types import Key
+from .._defaults import EGNN_DEPTH, EGNN_WIDTH, FREQS
 
 
 def _dense(layer: eqx.nn.Linear, x: Array) -> Array:
@@ -151,11 +152,11 @@ class EGNNField(eqx.Module):
         self,
         n_particles: int,
         spatial_dim: int,
-        width: int = 32,
-        depth: int = 3,
+        width: int = EGNN_WIDTH,
+        depth: int = EGNN_DEPTH,
         activation: Callable[[Array], Array] = jax.nn.silu,
         *,
-        freqs: int = 3,
+        freqs: int = FREQS,
         coord_scale: float = 1e-3,
         key: Key,
         dtype=None,

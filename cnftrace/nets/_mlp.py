@@ -11,7 +11,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int
 from .._custom_types import Key
-from .._recipe import default_width
+from .._defaults import CONCATSQUASH_WIDTH, DEPTH, FREQS, default_width
 
 
 def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
@@ -141,8 +141,8 @@ class ConcatSquashMLP(eqx.Module):
     def __init__(
         self,
         dim: int,
-        width: int = 64,
-        depth: int = 3,
+        width: int = CONCATSQUASH_WIDTH,
+        depth: int = DEPTH,
         activation: Callable[[Array], Array] = jax.nn.tanh,
         *,
         zero_last: bool = False,
@@ -247,10 +247,10 @@ class MLPField(eqx.Module):
         self,
         dim: int,
         width: int | None = None,
-        depth: int = 3,
+        depth: int = DEPTH,
         activation: Callable[[Array], Array] = jax.nn.silu,
         *,
-        freqs: int = 3,
+        freqs: int = FREQS,
         context_dim: int = 0,
         zero_last: bool = False,
         key: Key,

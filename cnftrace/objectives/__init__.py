@@ -11,9 +11,8 @@ from ._matching import (
     flow_matching_loss as flow_matching_loss,
     ot_pairing as ot_pairing,
 )
-from ._names import OBJECTIVES as OBJECTIVES, resolve_objective as resolve_objective
+from ._names import OBJECTIVES as OBJECTIVES
 from ._reverse_kl import ReverseKL as ReverseKL
-from ._target import check_log_target as check_log_target
 from ._weights import (
     ImportanceWeights as ImportanceWeights,
     importance_weights as importance_weights,

@@ -22,7 +22,9 @@ import jax.random as jr
 from jax.nn import logsumexp
 
 from .._checks import check_positive, check_weight
-from ..estimators import AbstractEstimator, Hutchinson, check_estimator
+from .._defaults import TRAIN_TOLERANCE
+from ..estimators import AbstractEstimator, Hutchinson
+from ..estimators._base import check_estimator
 from ..ode import SolveStats
 from ._base import AbstractObjective
 from ._target import LogDensity, check_log_target, describe_target
@@ -109,7 +111,7 @@ class ReverseKL(AbstractObjective):
         estimator: AbstractEstimator | None = None,
         stick_the_landing: bool = False,
         forward_weight: float = 0.0,
-        tolerance: float | None = 1e-3,
+        tolerance: float | None = TRAIN_TOLERANCE,
     ):
         if not callable(log_target):
             raise TypeError(
@@ -158,7 +160,7 @@ class ReverseKL(AbstractObjective):
             samples, _, sample_stats, _ = model.transform(
                 z, inverse=True, log_det=False, key=None
             )
-            log_q, score_stats = _frozen(model)._batch_log_prob(samples, probe_key)
+            log_q, score_stats = _frozen(model).batch_log_prob(samples, probe_key)
             stats = SolveStats.concatenate([sample_stats, score_stats])
             count = None  # the sampling solve's backward evaluations are not counted
         else:
@@ -180,7 +182,7 @@ class ReverseKL(AbstractObjective):
             metrics["nfe_backward"] = jnp.asarray(-1)
         total = reverse
         if self.forward_weight > 0:
-            logp_data, data_stats = model._batch_log_prob(x, data_key, count)
+            logp_data, data_stats = model.batch_log_prob(x, data_key, count)
             nll = -jnp.mean(logp_data)
             total = total + self.forward_weight * nll
             stats = SolveStats.concatenate([stats, data_stats])

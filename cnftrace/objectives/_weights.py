@@ -22,8 +22,11 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int, check_key
 from .._custom_types import Key
-from ..estimators import AbstractEstimator, Exact, check_estimator
-from ..flows import AbstractFlow, SolverError, need_key
+from .._defaults import EVAL_BATCH_SIZE
+from ..estimators import AbstractEstimator, Exact
+from ..estimators._base import check_estimator
+from ..flows import AbstractFlow, SolverError
+from ..flows._inputs import need_key
 from ._target import LogDensity, check_log_target
 
 # The k-hat above which importance sampling is unreliable, whatever the number of
@@ -326,7 +329,7 @@ def importance_weights(
     n: int,
     *,
     key: Key,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     estimator: AbstractEstimator | None = None,
     dtype=None,
     keep_samples: bool = True,

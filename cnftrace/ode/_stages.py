@@ -5,7 +5,7 @@ inside the checkpointed loop over the steps. Reverse mode then traces every step
 stages several times over (equinox finds which values carry cotangents by tracing the
 loop body until that settles, for the outer and the inner loop alike). A `lax.scan` is
 differentiated from its traced body (a jaxpr), without tracing the Python code again,
-so a CNF's gradient traces in about half the time (`docs/benchmarks.md`).
+so a CNF's gradient traces faster (measured in the docs' conventions).
 
 Each stage's evaluation of the vector field is rematerialised (`jax.checkpoint`): the
 backward pass evaluates it again, as diffrax's stage loop does, instead of storing

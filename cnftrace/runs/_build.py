@@ -2,16 +2,11 @@
 standardisation: the command line and `cnftrace.load` build them the same way."""
 
 import jax.random as jr
-import numpy as np
 
+from ..datasets import Standardization
 from ..estimators import AbstractEstimator, Exact, Hutchinson
-from ..flows import (
-    AbstractBase,
-    AbstractFlow,
-    Standardization,
-    base_template,
-    mlp_flow,
-)
+from ..flows import AbstractBase, AbstractFlow, mlp_flow
+from ..flows._base_fit import base_template
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import warmup_cosine_adam
 from ._config import RunConfig
@@ -50,13 +45,7 @@ def run_flow(
 
 def run_standardization(config: RunConfig) -> Standardization | None:
     """The standardisation a run on a data file trained under, or `None`."""
-    data_file = config.data_file or {}
-    if data_file.get("mean") is None:
-        return None
-    return Standardization(
-        np.asarray(data_file["mean"], np.float64),
-        np.asarray(data_file["scale"], np.float64),
-    )
+    return None if config.data_file is None else config.data_file.standardization
 
 
 def run_optimizer(config: RunConfig):

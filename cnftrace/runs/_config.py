@@ -7,96 +7,35 @@ must share). The command line's flags, `config.json`, the check on resume and
 `cnftrace.load` all come from this class.
 """
 
-import argparse
 import dataclasses
 import json
 import math
 import os
 from typing import Any
 
+from .. import _defaults as defaults
+from .._defaults import cli_training, default_recipe
 from .._io import FileKindError, read_regular_file
-from .._recipe import default_recipe
 from ..datasets import (
     ALL_DATASETS,
     DIRECTORY_DATASETS,
     TABULAR_DATASETS,
     TOY_DATASETS,
     UCI_DATASETS,
+    DataFile,
 )
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
-from ..training import CheckpointError, same_value
-from ._arguments import (
-    DataAction,
-    devices_argument,
-    flag_value,
-    integer_argument,
-    number_argument,
-    tolerance_argument,
-)
+from ..store import CheckpointError
+from ..store._checkpoint import same_value
+from ._settings import by_data, setting
 
-_REQUIRED = object()  # no value to assume for a config written without the key
 # Stored settings that only describe the others (what the default recipe chose, and
 # why): never compared on resume, nor with a checkpoint.
 DERIVED = ("recipe",)
 GROUPS = ("data", "model", "training", "run")
 # The built-in sets that are tables of rows (a base can be fitted to them).
 TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
-# The length and batch size of training by data set, where the general default
-# (`None`) falls short: checkerboard's sharp edges need more and less noisy steps.
-RECIPES = {
-    None: {"steps": 2400, "batch_size": 128},
-    "checkerboard": {"steps": 8000, "batch_size": 256},
-}
-
-
-def _setting(
-    default,
-    group: str,
-    help: str,
-    *,
-    stored: bool = True,
-    legacy=_REQUIRED,
-    flag: bool = True,
-    shown: str | None = None,
-    low: int | None = None,
-    check: str | None = None,
-    **argparse_kwargs,
-):
-    """A field of `RunConfig`.
-
-    - `stored`: kept in `config.json` and compared on resume.
-    - `legacy`: the value of a stored setting that a `config.json` written before it
-        existed lacks (none: such a file is refused).
-    - `flag`: whether it is a flag (`--` and the name with dashes); not for a
-        setting the command derives itself.
-    - `shown`: the default as `--help` states it, where it is not the value.
-    - `low`: the least value of an integer; `check`: the range of a number,
-        `"positive"` (finite, > 0), `"weight"` (finite, >= 0) or `"fraction"` (in
-        [0, 1)).
-    - `argparse_kwargs`: passed to `add_argument`; an `int` or `float` default
-        gives the flag its type, a `bool` one makes it a switch.
-    """
-    if isinstance(default, bool):
-        argparse_kwargs.setdefault("action", "store_true")
-    elif isinstance(default, (int, float)):
-        argparse_kwargs.setdefault("type", type(default))
-    if argparse_kwargs.get("type") in (int, float):
-        kind = argparse_kwargs["type"]
-        argparse_kwargs["type"] = integer_argument if kind is int else number_argument
-        argparse_kwargs.setdefault("metavar", "N" if kind is int else "X")
-    metadata = dict(
-        group=group,
-        help=help,
-        stored=stored,
-        legacy=legacy,
-        flag=flag,
-        shown=shown,
-        low=low,
-        check=check,
-        argparse=argparse_kwargs,
-    )
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 _DATA, _MODEL, _TRAINING, _RUN = GROUPS
@@ -109,7 +48,7 @@ class RunConfig:
     before the run starts, and stored filled."""
 
     # The data.
-    data: str | tuple[str, ...] = _setting(
+    data: str | tuple[str, ...] = setting(
         "8gaussians",
         _DATA,
         "a built-in data set (`cnftrace datasets` lists them), or one or more files "
@@ -117,15 +56,14 @@ class RunConfig:
         metavar="NAME|FILE",
         nargs="+",
     )
-    data_dir: str | None = _setting(
+    data_dir: str | None = setting(
         None,
         _DATA,
         "where MAF's UCI sets (power, gas, hepmass, miniboone, bsds300) and MNIST's "
         "files are",
-        legacy=None,
         metavar="DIR",
     )
-    columns: str | None = _setting(
+    columns: str | None = setting(
         None,
         _DATA,
         "the columns of a data file to train on, by header name or 0-based position",
@@ -133,23 +71,26 @@ class RunConfig:
         shown="all",
         metavar="A,B,...",
     )
-    array: str | None = _setting(
+    array: str | None = setting(
         None, _DATA, "the array of a .npz file", stored=False, metavar="NAME"
     )
-    val_fraction: float = _setting(
-        0.1,
+    val_fraction: float = setting(
+        defaults.VAL_FRACTION,
         _DATA,
         "share of a data file's rows held out for validation (0: none)",
         stored=False,
         check="fraction",
     )
-    test_fraction: float = _setting(
-        0.1, _DATA, "share of a data file's rows held out for `eval`", stored=False
+    test_fraction: float = setting(
+        defaults.TEST_FRACTION,
+        _DATA,
+        "share of a data file's rows held out for `eval`",
+        stored=False,
     )
-    split_seed: int = _setting(
+    split_seed: int = setting(
         0, _DATA, "picks a data file's train/validation/test split", stored=False, low=0
     )
-    no_standardize: bool = _setting(
+    no_standardize: bool = setting(
         False,
         _DATA,
         "train on a data file's values as they are (by default each column is "
@@ -158,7 +99,7 @@ class RunConfig:
         stored=False,
     )
     # Pinned in `data_file` (compared on resume), as the columns and the split are.
-    drop_missing: bool = _setting(
+    drop_missing: bool = setting(
         False,
         _DATA,
         "drop the rows of a data file with a missing value in the chosen columns "
@@ -167,7 +108,7 @@ class RunConfig:
         stored=False,
     )
     # Pinned in `data_file` where not `auto`.
-    header: str = _setting(
+    header: str = setting(
         "auto",
         _DATA,
         "whether the first line of a .csv or .tsv file names its columns: auto (when "
@@ -177,7 +118,7 @@ class RunConfig:
         choices=["auto", "yes", "no"],
     )
     # Pinned in `data_file` (its grid steps), as the split is.
-    dequantize: bool = _setting(
+    dequantize: bool = setting(
         False,
         _DATA,
         "spread each column of a data file whose values lie on a grid (counts, "
@@ -187,20 +128,20 @@ class RunConfig:
         "the grid",
         stored=False,
     )
-    # What pins a data file (paths, SHA-256, split, standardisation): derived.
-    data_file: dict | None = _setting(None, _DATA, "", legacy=None, flag=False)
+    # What pins a data file (paths, SHA-256, split, standardisation): derived, and
+    # stored as `DataFile.to_json()`.
+    data_file: DataFile | None = setting(None, _DATA, "", flag=False)
     # The model.
-    field: str = _setting(
+    field: str = setting(
         "mlp",
         _MODEL,
         "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
         "ConcatSquash layers (concatsquash)",
         # Runs written before MLPField became the default trained FFJORD's field.
-        legacy="concatsquash",
         choices=list(FIELDS),
     )
-    blocks: int = _setting(1, _MODEL, "number of CNF blocks", low=1)
-    width: int | None = _setting(
+    blocks: int = setting(1, _MODEL, "number of CNF blocks", low=1)
+    width: int | None = setting(
         None,
         _MODEL,
         "hidden units",
@@ -209,22 +150,21 @@ class RunConfig:
         low=1,
         type=int,
     )
-    depth: int = _setting(3, _MODEL, "hidden layers per block", low=0)
-    activation: str | None = _setting(
+    depth: int = setting(defaults.DEPTH, _MODEL, "hidden layers per block", low=0)
+    activation: str | None = setting(
         None,
         _MODEL,
         "the field's activation",
         shown="silu for --field mlp, tanh for concatsquash",
         choices=sorted(ACTIVATIONS),
     )
-    t1: float = _setting(0.5, _MODEL, "integration time", check="positive")
-    learn_t1: bool = _setting(
+    t1: float = setting(defaults.T1, _MODEL, "integration time", check="positive")
+    learn_t1: bool = setting(
         False,
         _MODEL,
         "train the integration time too (FFJORD's train_T), starting at --t1",
-        legacy=False,
     )
-    base: str | None = _setting(
+    base: str | None = setting(
         None,
         _MODEL,
         "the base distribution, fitted to the training rows (standardised) before "
@@ -232,173 +172,137 @@ class RunConfig:
         "that mixture with Student-t tails (t-mixture), a Student-t per column "
         "(student-t), the better of mixture and t-mixture on the validation rows "
         "(auto), or the standard normal (normal)",
-        legacy="normal",
         shown="auto for a table: a data file, a --data-dir or scikit-learn set; "
         "normal for the toy sets and images",
         choices=list(BASE_KINDS),
     )
     # How many components the fitted base has (derived from the data; stored to
     # rebuild the model).
-    base_components: int | None = _setting(None, _MODEL, "", legacy=None, flag=False)
-    zero_last: bool | None = _setting(
+    base_components: int | None = setting(None, _MODEL, "", flag=False)
+    zero_last: bool | None = setting(
         None,
         _MODEL,
         "start each field's output layer at zero, so that the flow starts as its "
         "base distribution",
-        legacy=False,
         shown="on with a fitted --base, off with the standard normal",
-        action=argparse.BooleanOptionalAction,
+        action="on/off",
     )
-    solver: str = _setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
-    rtol: float = _setting(
-        1e-5, _MODEL, "solver tolerance of the model", check="positive"
+    solver: str = setting("tsit5", _MODEL, "ODE solver", choices=sorted(SOLVERS))
+    rtol: float = setting(
+        defaults.RTOL, _MODEL, "solver tolerance of the model", check="positive"
     )
-    atol: float = _setting(
-        1e-5, _MODEL, "solver tolerance of the model", check="positive"
+    atol: float = setting(
+        defaults.ATOL, _MODEL, "solver tolerance of the model", check="positive"
     )
     # The training.
-    objective: str = _setting(
+    objective: str = setting(
         "mle",
         _TRAINING,
         "maximum likelihood through the ODE solve (mle), conditional flow matching "
         "(fm), or flow matching with minibatch optimal-transport pairing (ot-fm); "
         "flow matching needs no solve in training",
-        legacy="mle",
         choices=list(OBJECTIVES),
     )
-    steps: int | None = _setting(
+    steps: int | None = setting(
         None,
         _TRAINING,
         "total optimiser steps",
-        shown="2400; 8000 for checkerboard",
+        shown=by_data("steps"),
         low=1,
         type=int,
     )
-    batch_size: int | None = _setting(
+    batch_size: int | None = setting(
         None,
         _TRAINING,
         "samples per step",
-        shown="128; 256 for checkerboard",
+        shown=by_data("batch_size"),
         low=1,
         type=int,
     )
-    lr: float = _setting(3e-3, _TRAINING, "peak learning rate", check="positive")
-    clip: float = _setting(10.0, _TRAINING, "gradient-norm clip", check="positive")
-    weight_decay: float = _setting(
+    lr: float = setting(defaults.LR, _TRAINING, "peak learning rate", check="positive")
+    clip: float = setting(
+        defaults.CLIP, _TRAINING, "gradient-norm clip", check="positive"
+    )
+    weight_decay: float = setting(
         0.0,
         _TRAINING,
         "AdamW's decoupled weight decay, scaled by the learning rate (0: Adam)",
-        legacy=0.0,
         check="weight",
     )
-    train_tol: float | None = _setting(
-        1e-3,
+    train_tol: float | None = setting(
+        defaults.TRAIN_TOLERANCE,
         _TRAINING,
         "solver rtol = atol in maximum-likelihood training ('none': train at "
         "--rtol/--atol)",
-        legacy=None,
-        type=tolerance_argument,
+        type="tolerance",
         metavar="TOL|none",
     )
-    estimator: str = _setting(
-        "rademacher",
+    estimator: str = setting(
+        defaults.ESTIMATOR,
         _TRAINING,
         "trace estimator in training (evaluation always uses the exact trace)",
         choices=["rademacher", "gaussian", "sphere", "exact"],
     )
-    num_probes: int = _setting(1, _TRAINING, "probes of the estimator", low=1)
-    kinetic_energy: float = _setting(
+    num_probes: int = setting(1, _TRAINING, "probes of the estimator", low=1)
+    kinetic_energy: float = setting(
         0.0,
         _TRAINING,
         "RNODE weight of the kinetic energy integral (0: off)",
-        legacy=0.0,
         check="weight",
     )
-    jacobian_norm: float = _setting(
+    jacobian_norm: float = setting(
         0.0,
         _TRAINING,
         "RNODE weight of the Jacobian Frobenius-norm integral (0: off)",
-        legacy=0.0,
         check="weight",
     )
-    fm_sigma: float = _setting(
+    fm_sigma: float = setting(
         0.0,
         _TRAINING,
         "width of flow matching's Gaussian paths at the data end, in [0, 1)",
-        legacy=0.0,
         check="fraction",
     )
-    patience: int | None = _setting(
+    patience: int | None = setting(
         None,
         _TRAINING,
         "stop after this many validations without improvement (0: never)",
-        legacy=None,  # runs on built-in data sets stopped early by no rule
-        shown="10 for a data file and the --data-dir sets, never for the others",
+        shown=f"{defaults.CLI_PATIENCE} for a data file and the --data-dir sets, "
+        "never for the others",
         low=0,
         type=int,
     )
-    seed: int = _setting(0, _TRAINING, "seed of the initialisation and the batches")
+    seed: int = setting(0, _TRAINING, "seed of the initialisation and the batches")
     # What the default recipe chose for the data, and why (a line the command
     # prints); derived from the other settings, so never compared on resume.
-    recipe: str | None = _setting(None, _TRAINING, None, legacy=None, flag=False)
+    recipe: str | None = setting(None, _TRAINING, None, flag=False)
     # The run.
-    run_dir: str = _setting(
+    run_dir: str = setting(
         None, _RUN, "directory of this run", stored=False, required=True
     )
-    checkpoint_every: int = _setting(
+    checkpoint_every: int = setting(
         100, _RUN, "steps between checkpoints (and validations)", stored=False, low=1
     )
-    print_every: int = _setting(
+    print_every: int = setting(
         50, _RUN, "steps between log lines (without a terminal)", stored=False, low=1
     )
-    no_progress: bool = _setting(False, _RUN, "plain log lines", stored=False)
-    devices: int | str | None = _setting(
+    no_progress: bool = setting(False, _RUN, "plain log lines", stored=False)
+    devices: int | str | None = setting(
         None,
         _RUN,
         "train data-parallel on the first N devices, or all of them (the batch size "
         "must be a multiple of the number)",
         stored=False,
         shown="one device",
-        type=devices_argument,
+        type="devices",
         metavar="N|all",
     )
-    distributed: bool = _setting(
+    distributed: bool = setting(
         False,
         _RUN,
         "join a multi-host run via jax.distributed.initialize (one process per "
         "host; see the docs' scaling page)",
         stored=False,
     )
-
-    # ------------------------------------------------------------ the flags
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one flag per setting to `parser`, in argument groups, each help
-        ending with the default."""
-        groups = {
-            name: parser.add_argument_group(f"{name} settings") for name in GROUPS
-        }
-        for f in _flagged(cls):
-            kwargs = dict(f.metadata["argparse"])
-            flags = ["--" + f.name.replace("_", "-")]
-            if f.name == "data":
-                flags.append("--dataset")
-                kwargs["action"] = DataAction
-            shown = f.metadata["shown"] or flag_value(f.default)
-            ending = "required" if kwargs.get("required") else f"default: {shown}"
-            groups[f.metadata["group"]].add_argument(
-                *flags,
-                dest=f.name,
-                default=f.default,
-                help=f"{f.metadata['help']} ({ending})",
-                **kwargs,
-            )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
-        """The settings of parsed flags (those `add_arguments` added)."""
-        return cls(**{f.name: getattr(args, f.name) for f in _flagged(cls)})
 
     def check(self) -> None:
         """A `ValueError` naming the flag and the range of any setting out of its
@@ -540,18 +444,18 @@ class RunConfig:
 
     def resolved(self) -> "RunConfig":
         """The settings left to the data filled in: the steps and the batch size by
-        data set (`RECIPES`), early stopping (after 10 validations without
-        improvement) for a data file and the sets of `--data-dir`, never for the
-        other built-in sets, and the field's own activation."""
-        recipe = RECIPES.get(self.data if isinstance(self.data, str) else None)
+        data set (`cnftrace._defaults.cli_training`), early stopping (after
+        `CLI_PATIENCE` validations without improvement) for a data file and the
+        sets of `--data-dir`, never for the other built-in sets, and the field's
+        own activation."""
         values = {
             name: value
-            for name, value in (recipe or RECIPES[None]).items()
+            for name, value in cli_training(self.data).items()
             if getattr(self, name) is None
         }
         if self.patience is None:
             built_in = isinstance(self.data, str) and self.data in ALL_DATASETS
-            values["patience"] = None if built_in else 10
+            values["patience"] = None if built_in else defaults.CLI_PATIENCE
         if self.activation is None:
             values["activation"] = DEFAULT_ACTIVATION[self.field]
         return dataclasses.replace(self, **values)
@@ -608,16 +512,6 @@ class RunConfig:
 
     # ------------------------------------------------------------ config.json
 
-    @classmethod
-    def legacy_values(cls) -> dict[str, Any]:
-        """The value each stored setting had before it existed (what an older
-        `config.json` or checkpoint without it stands for)."""
-        return {
-            f.name: f.metadata["legacy"]
-            for f in dataclasses.fields(cls)
-            if f.metadata["stored"] and f.metadata["legacy"] is not _REQUIRED
-        }
-
     def compared(self) -> dict[str, Any]:
         """The stored settings that a resumed run and its checkpoints must share:
         `stored()` less the `DERIVED` ones."""
@@ -629,14 +523,15 @@ class RunConfig:
         for f in dataclasses.fields(self):
             if f.metadata["stored"]:
                 value = getattr(self, f.name)
+                if isinstance(value, DataFile):
+                    value = value.to_json()
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
     @classmethod
     def from_stored(cls, stored: dict[str, Any], path: str) -> "RunConfig":
-        """The settings of a `config.json` (at `path`, for messages): settings
-        added since it was written take their `legacy` value; an unknown key, or a
-        missing one without a legacy value, is a `CheckpointError`."""
+        """The settings of a `config.json` (at `path`, for messages); an unknown
+        key, or a missing one, is a `CheckpointError`."""
         fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata["stored"]}
         unknown = sorted(set(stored) - set(fields))
         if unknown:
@@ -644,21 +539,24 @@ class RunConfig:
                 f"{path} holds settings cnftrace does not know: {', '.join(unknown)}; "
                 "restore the file, or start a new run directory."
             )
-        values = {}
-        missing = []
-        for name, f in fields.items():
-            if name in stored:
-                value = stored[name]
-                values[name] = tuple(value) if isinstance(value, list) else value
-            elif f.metadata["legacy"] is not _REQUIRED:
-                values[name] = f.metadata["legacy"]
-            else:
-                missing.append(name)
+        missing = [name for name in fields if name not in stored]
         if missing:
             raise CheckpointError(
                 f"{path} lacks the settings {', '.join(missing)}; restore it, or "
                 "start a new run directory."
             )
+        values = {
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in stored.items()
+            if k != "data_file"
+        }
+        if stored["data_file"] is not None:
+            try:
+                values["data_file"] = DataFile.from_json(stored["data_file"])
+            except ValueError as e:
+                raise CheckpointError(
+                    f"{path}: {e} Restore the file, or start a new run directory."
+                ) from None
         return cls(**values)
 
     def differences(self, other: "RunConfig") -> list[str]:
@@ -673,10 +571,6 @@ class RunConfig:
             and name not in DERIVED
             and not same_value(there[name], value)
         ]
-
-
-def _flagged(cls) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.metadata["flag"]]
 
 
 def read_config(path: str) -> RunConfig:

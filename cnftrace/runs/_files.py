@@ -11,9 +11,10 @@ import equinox as eqx
 import jax.random as jr
 
 from .._io import FileKindError, atomic_write, read_regular_file
-from ..flows import AbstractFlow, Standardization, StandardizedFlow
-from ..training import (
-    CheckpointError,
+from ..datasets import Standardization
+from ..flows import AbstractFlow, StandardizedFlow
+from ..store import CheckpointError
+from ..store._checkpoint import (
     deserialise,
     latest_good_checkpoint,
     list_checkpoints,

@@ -10,14 +10,11 @@ from jaxtyping import Array, Float
 
 from .._checks import check_context, check_int
 from .._custom_types import Key
+from .._defaults import EVAL_BATCH_SIZE
 from ..estimators import AbstractEstimator, Exact
-from ..flows import (
-    AbstractFlow,
-    SolverError,
-    need_key,
-    standardize_on_host,
-    validate_input,
-)
+from ..flows import AbstractFlow, SolverError
+from ..flows._inputs import need_key, validate_input
+from ..flows._standardized import standardize_on_host
 
 
 class NLL(eqx.Module):
@@ -55,7 +52,7 @@ def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     (every chunk, every validation during `fit`) reuse the compiled code. It holds
     no host callback (the caller checks the input and the result on the host), so
     JAX's persistent compilation cache can store it."""
-    logp, stats = model._batch_log_prob(x, key, context=context)
+    logp, stats = model.batch_log_prob(x, key, context=context)
     return logp, stats.total_nfe, stats.first_failure()
 
 
@@ -63,7 +60,7 @@ def log_prob_batched(
     flow: AbstractFlow,
     x: Float[Array, "n ..."],
     *,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     context: Float[Array, "n context"] | None = None,
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
@@ -146,7 +143,7 @@ def evaluate_nll(
     x: Float[Array, "n ..."],
     *,
     context: Float[Array, "n context"] | None = None,
-    batch_size: int = 1000,
+    batch_size: int = EVAL_BATCH_SIZE,
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
 ) -> NLL:

@@ -19,19 +19,19 @@ from tqdm.auto import tqdm
 
 from .._checks import check_context, check_int, check_samples
 from .._custom_types import Key
+from .._defaults import BATCH_SIZE, MAX_FAILURES, STEPS
 from ..estimators import Exact
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective, ReverseKL
-from . import _history
-from ._checkpoint import (
-    CheckpointError,
+from ..store import CheckpointError, _history
+from ..store._checkpoint import (
     key_to_data,
     latest_good_checkpoint,
     save_checkpoint,
 )
+from ..store._lock import DirectoryLock
 from ._evaluate import log_prob_batched
-from ._lock import DirectoryLock
-from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
+from ._optim import default_optimizer
 from ._options import Checkpoints, Validation
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
@@ -69,15 +69,15 @@ def fit(
     *,
     key: Key,
     target: Callable[[Array], Array] | None = None,
-    steps: int = 1000,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    steps: int = STEPS,
+    batch_size: int = BATCH_SIZE,
     objective: str | AbstractObjective = "mle",
     optimizer: optax.GradientTransformation | None = None,
     context: Float[Array, "n context"] | None = None,
     validation: Validation | Float[Array, "n ..."] | None = None,
     checkpoints: Checkpoints | str | os.PathLike | None = None,
     mesh: MeshSpec = None,
-    max_failures: int = 10,
+    max_failures: int = MAX_FAILURES,
     progress: bool = True,
     log_every: int = 1,
     on_log: Callable[[dict[str, Any]], None] | None = None,
@@ -204,7 +204,7 @@ def fit(
     if validation is not None:
         validation = _checked_validation(validation, flow)
     lock = contextlib.nullcontext()
-    if checkpoints is not None and is_main_process():
+    if checkpoints is not None and checkpoints.lock and is_main_process():
         lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
     with lock:
         loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
@@ -320,7 +320,7 @@ class _Loop:
         self.best_rows: np.ndarray | None = None
         best = None
         if checkpoints is not None:
-            path = os.path.join(checkpoints.directory, _history.HISTORY_NAME)
+            path = checkpoints.history_file
             state, best = self._resume(state, path)
             if self.main_process:
                 self.log = _history.Log(path)
@@ -349,7 +349,6 @@ class _Loop:
             like,
             self.config,
             warn=_history.warn_stderr,
-            legacy=self.checkpoints.legacy,
         )
         # Every process must resume from the same step, or they would deadlock.
         first_step = 0 if found is None else found[0]
@@ -368,23 +367,11 @@ class _Loop:
                 "run with another `key`; resuming with this key would not continue "
                 "that run. Pass the same key, or use a new checkpoint directory."
             )
-        if not records and header.get("history"):
-            # A format-1 checkpoint carries the history in its header.
-            records = _history.records_from_history(header["history"])
-            records = [r for r in records if r["step"] <= first_step]
-            if self.main_process:
-                _history.rewrite(history_path, records)
         self.history = _history.history_from_records(records)
         self.resumed = (history_path, first_step)
-        vals = self.history["val_step"]
         self.best_step = header.get("best_step")
-        if self.best_step is None and vals:  # a checkpoint of an older cnftrace
-            self.best_step = vals[int(np.argmin(self.history["val_nll"]))]
-        skipped = header.get("skipped")
-        if skipped is None:  # format 1
-            skipped = self.history["skipped"][-1] if self.history["skipped"] else 0
-        seconds = self.history["seconds"]
-        self.elapsed = header.get("seconds", seconds[-1] if seconds else 0.0)
+        skipped = header.get("skipped", 0)
+        self.elapsed = header.get("seconds", 0.0)
         _, static = eqx.partition(state.flow, eqx.is_inexact_array)
         state = TrainState(
             step=jnp.asarray(first_step, jnp.int32),

@@ -2,6 +2,7 @@
 which gain counts) and `Checkpoints` (where, how often, how many, under which
 config)."""
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,9 @@ import equinox as eqx
 from jaxtyping import Array, Float
 
 from .._checks import check_int, check_weight
-from ..estimators import AbstractEstimator, check_estimator
+from ..estimators import AbstractEstimator
+from ..estimators._base import check_estimator
+from ..store._history import HISTORY_NAME
 
 
 def _int(name: str, none: bool = False) -> Callable:
@@ -74,14 +77,14 @@ class Checkpoints(eqx.Module):
     anything that is not a regular file, are reported and skipped) and continues
     exactly as an uninterrupted run would.
 
-    The history is kept beside them, in `directory/history.jsonl` (one JSON record
-    per logged step or validation), rather than in every checkpoint: on resume it is
-    cut back to the checkpoint's step, so the history `fit` returns holds every step
-    exactly once (a step's first record: a later line never replaces it, and lines
-    that are not records of a step are skipped with one warning). While `fit` runs,
-    it holds the directory's lock (`directory/.lock`, with its pid and host): a
-    second `fit` on the same directory is refused, naming the first; a lock left by
-    a killed process is taken over.
+    The history is kept in a file of its own, `directory/history.jsonl` unless
+    `history` names another (one JSON record per logged step or validation), rather
+    than in every checkpoint: on resume it is cut back to the checkpoint's step, so
+    the history `fit` returns holds every step exactly once (a step's first record:
+    a later line never replaces it, and lines that are not records of a step are
+    skipped with one warning). While `fit` runs, it holds the directory's lock
+    (`directory/.lock`, with its pid and host): a second `fit` on the same directory
+    is refused, naming the first; a lock left by a killed process is taken over.
 
     **Arguments:**
 
@@ -90,9 +93,11 @@ class Checkpoints(eqx.Module):
     - `keep`: how many of the newest checkpoints to keep.
     - `config`: a JSON-serialisable dict describing the run; a checkpoint written
         under another config is refused, naming the differences.
-    - `legacy`: for settings added to `config` since older checkpoints were
-        written, the value such a checkpoint stands for (the command line's
-        `legacy` values: an older run resumes as it began).
+    - `history`: the history file; `None` for `directory/history.jsonl`.
+    - `lock`: whether `fit` takes the directory's lock. `False` only where the
+        caller already holds a lock that covers the directory: the command line
+        holds its run directory's, and its run keeps one lock and one history
+        file (`RUN_DIR/metrics.jsonl`).
 
     !!! example
 
@@ -106,8 +111,18 @@ class Checkpoints(eqx.Module):
     every: int = eqx.field(default=100, converter=_int("every"))
     keep: int = eqx.field(default=3, converter=_int("keep"))
     config: dict[str, Any] | None = None
-    legacy: dict[str, Any] | None = None
+    history: str | None = None
+    lock: bool = True
 
     def __check_init__(self):
         if not isinstance(self.directory, str):
             raise TypeError(f"`directory` must be a str; got {self.directory!r}.")
+        if not (self.history is None or isinstance(self.history, str)):
+            raise TypeError(f"`history` must be a str or None; got {self.history!r}.")
+
+    @property
+    def history_file(self) -> str:
+        """The history file: `history`, or `history.jsonl` in `directory`."""
+        if self.history is None:
+            return os.path.join(self.directory, HISTORY_NAME)
+        return self.history

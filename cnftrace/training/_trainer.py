@@ -28,9 +28,11 @@ from .._checks import (
     check_samples,
 )
 from .._custom_types import Key
+from .._defaults import BATCH_SIZE
 from ..flows import AbstractFlow
-from ..objectives import AbstractObjective, resolve_objective
-from ._optim import DEFAULT_BATCH_SIZE, default_optimizer
+from ..objectives import AbstractObjective
+from ..objectives._names import resolve_objective
+from ._optim import default_optimizer
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
 
@@ -201,7 +203,7 @@ class Trainer(eqx.Module):
         key: Key,
         objective: str | AbstractObjective = "mle",
         optimizer: optax.GradientTransformation | None = None,
-        batch_size: int = DEFAULT_BATCH_SIZE,
+        batch_size: int = BATCH_SIZE,
         context: Float[Array, "n context"] | None = None,
         mesh: MeshSpec = None,
     ):

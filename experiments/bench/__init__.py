@@ -1,1 +1,1 @@
-"""The benchmarks of `shared/BENCHMARK.md`: `python -m experiments.bench.run`."""
+"""The benchmarks B1-B6 (`experiments/README.md`): `python -m experiments.bench.run`."""

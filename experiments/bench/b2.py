@@ -1,11 +1,11 @@
-"""B2, time to quality, for cnftrace (see `common.py` and `shared/BENCHMARK.md`).
+"""B2, time to quality, for cnftrace (see `experiments/README.md`).
 
-B1's model (`b1.make_flow`: one block, ConcatSquash 2-64-64-64-2 with tanh, T = 0.5,
+B1's model (`_common.b1_flow`: one block, ConcatSquash 2-64-64-64-2 with tanh, T = 0.5,
 Tsit5 at rtol = atol = 1e-5, float32) is trained from scratch on fresh samples of the
 toy data every step, with one Rademacher Hutchinson probe per sample. Every
 `eval_every_s` seconds of training the exact-trace test NLL (`cnftrace.evaluate_nll`)
 of a fixed test set is recorded; training stops at `budget_s` training seconds or as
-soon as the gap to the floor (`common.B2_FLOOR`) is at most 0.05 nats.
+soon as the gap to the floor (`_common.B2_FLOOR`) is at most 0.05 nats.
 
 The clock: training time is the wall time of the training loop, including the first
 step's compilation (a user waits for it too) and drawing each batch, which happens
@@ -48,7 +48,14 @@ import numpy as np
 
 import cnftrace
 from cnftrace.datasets import toy_log_prob, toy_sample
-from experiments.bench import b1, common
+from experiments._common import (
+    B2_EVAL_EVERY_S,
+    B2_TEST_SEED,
+    B2_TEST_SIZE,
+    QualityCurve,
+    b1_flow,
+    cores,
+)
 
 DTYPE = jnp.float32
 HORIZON_STEPS_PER_S = 25.0
@@ -64,8 +71,8 @@ NOTES = (
 def cnftrace_b2(
     dataset: str,
     budget_s: float,
-    eval_every_s: float = common.B2_EVAL_EVERY_S,
-    test_size: int = common.B2_TEST_SIZE,
+    eval_every_s: float = B2_EVAL_EVERY_S,
+    test_size: int = B2_TEST_SIZE,
     seed: int = 0,
     *,
     batch: int = 128,
@@ -86,7 +93,7 @@ def cnftrace_b2(
     it) and excludes the evaluations (and their compilation).
 
     Returns what `zuko_peer.zuko_b2` returns (the curve of (training seconds, test
-    NLL), `time_to_gap` for each gap of `common.B2_GAPS`, `best_gap`, `steps`,
+    NLL), `time_to_gap` for each gap of `_common.B2_GAPS`, `best_gap`, `steps`,
     `floor`, `test_true_nll`, ...) plus `settings`, the training configuration.
     `on_eval`, if given, is called at each evaluation with a dict of the training
     seconds, step, test NLL, its standard error, the last training loss and the NFE
@@ -100,7 +107,7 @@ def cnftrace_b2(
     `"fm"` or `"ot-fm"` (`cnftrace.flow_matching_loss`, path width 0). The result
     also holds the NFE of the final model: `nfe_log_prob` (the exact-trace test
     evaluation, per solve) and `nfe_sample` (drawing `test_size` samples)."""
-    tracker = common.QualityCurve(dataset, eval_every_s)
+    tracker = QualityCurve(dataset, eval_every_s)
     horizon = "given"
     if decay_steps is None:
         rate = HORIZON_STEPS_PER_S if objective == "mle" else FM_HORIZON_STEPS_PER_S
@@ -136,9 +143,9 @@ def cnftrace_b2(
         optimizer=optimizer,
         batch_size=batch,
     )
-    state = trainer.init(b1.make_flow("hutchinson", seed=seed))
+    state = trainer.init(b1_flow("hutchinson", seed=seed))
 
-    x_test = toy_sample(dataset, jr.key(common.B2_TEST_SEED), test_size, dtype=DTYPE)
+    x_test = toy_sample(dataset, jr.key(B2_TEST_SEED), test_size, dtype=DTYPE)
     true_lp = np.asarray(toy_log_prob(dataset, x_test))
     true_nll = -float(true_lp.mean()) if np.all(np.isfinite(true_lp)) else None
     train_s = 0.0
@@ -183,7 +190,7 @@ def cnftrace_b2(
         **tracker.result(),
         "steps": steps,
         "test_true_nll": true_nll,
-        "threads": common.cores(),
+        "threads": cores(),
         "settings": settings,
         "nfe_log_prob": float(nll.nfe),
         "nfe_sample": int(sample_stats.total_nfe),

@@ -1,4 +1,4 @@
-"""B3 of `shared/BENCHMARK.md`: how cnftrace's cost grows with the work.
+"""B3 (`experiments/README.md`): how cnftrace's cost grows with the work.
 
 Three measurements, each a function that returns plain rows (lists of dicts) so that a
 report can render them (`markdown` does):
@@ -37,14 +37,22 @@ import optax
 
 import cnftrace
 from cnftrace.datasets import toy_sample
-from experiments._common import markdown_table, time_call
-from experiments.bench import b1, common
+from experiments._common import (
+    B1_DEPTH,
+    B1_LR,
+    B1_T1,
+    B1_WIDTH,
+    b1_estimator,
+    b1_flow,
+    markdown_table,
+    time_call,
+)
 
 DTYPE = jnp.float32
-WIDTH = common.B1_WIDTH
-DEPTH = common.B1_DEPTH
-T1 = common.B1_T1
-LR = common.B1_LR
+WIDTH = B1_WIDTH
+DEPTH = B1_DEPTH
+T1 = B1_T1
+LR = B1_LR
 ADJOINTS = {
     "recursive_checkpoint": diffrax.RecursiveCheckpointAdjoint,
     "direct": diffrax.DirectAdjoint,
@@ -58,7 +66,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # ---------------------------------------------------------------------- helpers
 
 
-_estimator = b1.make_estimator
+_estimator = b1_estimator
 
 
 def _field(dim: int, width: int, depth: int, seed: int) -> cnftrace.ConcatSquashMLP:
@@ -190,7 +198,7 @@ def step_time_vs_batch(
     wall microseconds per sample, the mean (min, max) forward NFE, and the first
     call's wall time (tracing and compilation included).
     """
-    flow = b1.make_flow(estimator, seed=seed)
+    flow = b1_flow(estimator, seed=seed)
     optimizer = optax.adam(LR)
     state = _trainer(optimizer, dataset, 512, jr.key(seed + 2)).init(flow)
     if pretrain_steps:

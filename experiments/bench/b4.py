@@ -23,7 +23,6 @@ training time.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -32,94 +31,16 @@ import jax.random as jr
 import numpy as np
 
 import cnftrace
-from cnftrace.datasets import (
-    KnownDensity,
-    gaussian_mixture,
-    rotated_product,
-    toy_entropy,
-    toy_log_prob,
-    toy_sample,
+from experiments._common import (
+    DENSITIES,
+    RESULTS as RESULTS_DIR,
+    Target,
+    atomic_write,
+    cnftrace_log_prob,
+    gap_and_se,
+    load_results,
+    markdown_table,
 )
-from experiments._common import RESULTS as RESULTS_DIR, atomic_write, markdown_table
-
-TEST_SEED = 4040
-DENSITIES = ("product5", "mixture12", "8gaussians", "checkerboard", "rings")
-
-
-class Target:
-    """One density of B4 (or, given its `density`, any `KnownDensity`, as B5 does):
-    its dimension, a sampler `(key, n) -> (n, d)` (JAX's default float), and the true
-    log-density of test points (`None` where only the entropy is known)."""
-
-    def __init__(self, name: str, density: KnownDensity | None = None):
-        self.name = name
-        if density is not None:
-            pass
-        elif name == "product5":
-            density = rotated_product(5, seed=0)
-        elif name == "mixture12":
-            density = gaussian_mixture(12, components=6, seed=0)
-        elif name in ("8gaussians", "checkerboard", "rings"):
-            density = None
-        else:
-            raise ValueError(f"unknown B4 density {name!r}; choose from {DENSITIES}.")
-        self.density = density
-        self.dim = 2 if density is None else density.dim
-        self.entropy = toy_entropy(name) if name == "rings" else None
-
-    def sample(self, key, n):
-        if self.density is None:
-            return toy_sample(self.name, key, n)
-        return self.density.sample(key, n)
-
-    def true_log_prob(self, x) -> np.ndarray | None:
-        if self.name == "rings":
-            return None
-        x64 = np.asarray(x, np.float64)
-        if self.density is None:
-            return np.asarray(toy_log_prob(self.name, x64), np.float64)
-        return np.asarray(self.density.log_prob(x64), np.float64)
-
-    def test_set(self, n: int):
-        return self.sample(jr.key(TEST_SEED), n)
-
-
-def gap_and_se(target: Target, test, model_logp: np.ndarray) -> tuple[float, float]:
-    """The gap `model NLL - true NLL` on `test` and its (paired) standard error."""
-    model_logp = np.asarray(model_logp, np.float64)
-    if not np.all(np.isfinite(model_logp)):
-        return math.inf, math.inf
-    true = target.true_log_prob(test)
-    if true is None:
-        diff = -model_logp - target.entropy
-    else:
-        diff = true - model_logp
-    return float(diff.mean()), float(diff.std(ddof=1) / math.sqrt(diff.size))
-
-
-def zuko_at_seconds(
-    zuko_peer, target: Target, test, seconds: float, model: str, batch: int = 512
-) -> dict:
-    """zuko's `model` ("cnf" or "nsf", see `zuko_peer.MODELS`) trained on fresh
-    samples of `target`, `batch` a step, Adam 1e-3, for `seconds` training seconds,
-    and its gap on `test`."""
-    z = zuko_peer.zuko_b4(
-        target.sample,
-        target.dim,
-        None,
-        batch,
-        np.asarray(test),
-        max_train_s=seconds,
-        model=model,
-    )
-    gap, se = gap_and_se(target, test, z["final_logp"])
-    peer = {key: z[key] for key in ("system", "model", "train_s", "steps_done")}
-    return dict(peer, batch=batch, gap=gap, gap_se=se)
-
-
-def cnftrace_log_prob(flow, test, chunk: int = 2000) -> np.ndarray:
-    """Per-point log-densities by the exact trace, `chunk` points per solve."""
-    return cnftrace.log_prob_batched(flow, test, batch_size=chunk)
 
 
 def cnftrace_b4(target: Target, steps: int, batch: int, test, seed: int = 0) -> dict:
@@ -337,15 +258,6 @@ def main(argv=None) -> None:
     )
     with open(args.out + ".md") as f:
         print(f.read())
-
-
-def load_results(stem: str) -> dict:
-    """The rows of the last run written at `stem` (.json), or none."""
-    try:
-        with open(stem + ".json") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
 
 
 if __name__ == "__main__":

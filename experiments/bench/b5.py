@@ -33,107 +33,36 @@ import argparse
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-import equinox as eqx
-import jax
-import jax.random as jr
 import numpy as np
 
 import cnftrace
 from cnftrace.datasets import read_table, split_table, warped_product
 from experiments._common import (
     RESULTS as RESULTS_DIR,
-    atomic_write,
-    markdown_table,
-    progress,
-)
-from experiments.bench import tables
-from experiments.bench.b4 import (
+    SPLIT,
+    TABLES,
     Target,
-    cnftrace_log_prob,
-    gap_and_se,
+    atomic_write,
+    cnftrace_cli,
+    cnftrace_default,
+    gaussian_log_prob,
+    gmm_bic,
+    kde_cv,
     load_results,
+    markdown_table,
+    summary,
+    write_csv,
     zuko_at_seconds,
+    zuko_peer_module,
 )
 
 DIMS = (2, 5, 10, 20, 40)
 PEERS = ("nsf", "cnf")
-FILES = tuple(tables.TABLES)
-SPLIT = dict(val_fraction=0.1, test_fraction=0.1, seed=0)  # the command line's
-
-
-def _bench_peer():
-    """zuko's peer module, or the reason it cannot be imported (no bench extra)."""
-    try:
-        from experiments.bench import zuko_peer
-    except ImportError as e:
-        return None, str(e)
-    return zuko_peer, None
-
-
-# ---------------------------------------------------------------- constructed densities
-
-
-def architecture(flow) -> dict:
-    """What a flow's default model turned out to be: the number of blocks, and the
-    first block's field type, hidden widths and depth (read off its linear layers:
-    every `eqx.nn.Linear` but the output one is a hidden layer), and the parameter
-    count."""
-    blocks = flow.blocks
-    field = blocks[0].vector_field
-    linears = [
-        leaf
-        for leaf in jax.tree_util.tree_leaves(
-            field, is_leaf=lambda x: isinstance(x, eqx.nn.Linear)
-        )
-        if isinstance(leaf, eqx.nn.Linear)
-    ]
-    widths = [layer.out_features for layer in linears[:-1]]
-    params = eqx.filter(flow, eqx.is_inexact_array)
-    return {
-        "blocks": len(blocks),
-        "field": type(field).__name__,
-        "width": widths[0] if len(set(widths)) == 1 else widths,
-        "depth": len(widths),
-        "params": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
-    }
-
-
-def cnftrace_default(target: Target, steps: int, test, seed: int = 0) -> dict:
-    """The README's recipe on `target` with `fit`'s defaults (only `steps` given):
-    training seconds (compile included), the exact-trace gap, and the recipe the
-    defaults picked (the batch is read off the sizes `fit` asks the sampler for)."""
-    model_key, train_key = jr.split(jr.key(seed))
-    flow = cnftrace.mlp_flow(target.dim, key=model_key)
-    sizes = set()
-
-    def sample(key, n):
-        sizes.add(int(n))
-        return target.sample(key, n)
-
-    start = time.perf_counter()
-    # Only the progress bar is not fit's default: shown on a terminal, not in a log.
-    trained, history = cnftrace.fit(
-        flow, sample, key=train_key, steps=steps, progress=progress()
-    )
-    train_s = time.perf_counter() - start
-    gap, se = gap_and_se(target, test, cnftrace_log_prob(trained, test))
-    recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
-    recipe["sampler_sizes"] = sorted(sizes)  # fit's shape check asks for 2 first
-    return {
-        "system": f"cnftrace {cnftrace.__version__}",
-        "recipe": recipe,
-        "train_s": train_s,
-        "gap": gap,
-        "gap_se": se,
-        "loss_last": float(history["loss"][-1]),
-        "nfe_last": history["nfe"][-1],
-    }
+FILES = tuple(TABLES)
 
 
 def run_dims(
@@ -150,7 +79,7 @@ def run_dims(
     instead: for smoke runs). `on_row(key, row)` is called as each row is done.
     `seed` picks cnftrace's initialisation and training keys (not the density nor
     its test set): a row of another seed than 0 is keyed `"d/seed"`."""
-    zuko_peer, missing = _bench_peer() if peers else (None, None)
+    zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
         target = Target(f"warped_product({d})", warped_product(d, seed=0))
@@ -215,68 +144,6 @@ def dims_markdown(res: dict) -> str:
 # ------------------------------------------------------------------ real tabular files
 
 
-def _cli(args, log) -> tuple[float, str]:
-    """Runs `python -m cnftrace ARGS` in a process of its own (importing the cnftrace
-    this one imports); its wall seconds and output. A failure raises with the output."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(cnftrace.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "cnftrace", *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    wall = time.perf_counter() - start
-    with open(log, "a") as f:
-        f.write(f"$ cnftrace {shlex.join(args)}\n{done.stdout}")
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"cnftrace {shlex.join(args)} failed ({done.returncode}):\n{done.stdout}"
-        )
-    return wall, done.stdout
-
-
-def cnftrace_cli(path: str, run_dir: str, train_args=()) -> dict:
-    """`cnftrace train --data PATH --run-dir RUN_DIR` (plus `train_args`, empty for
-    the benchmark), then `cnftrace eval RUN_DIR`: the test NLL of eval.json, the
-    training seconds of metrics.jsonl (compile included, validation not), the
-    settings the run's defaults picked, and how far it trained."""
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run directory would be resumed
-    os.makedirs(run_dir)
-    log = os.path.join(run_dir, "..", "commands.log")
-    train = ["train", "--data", path, "--run-dir", run_dir, *train_args]
-    train_wall, output = _cli(train, log)
-    eval_wall, _ = _cli(["eval", run_dir], log)
-    with open(os.path.join(run_dir, "eval.json")) as f:
-        evaluation = json.load(f)
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    vals = [r for r in records if "val_nll" in r]
-    settings = ("field", "blocks", "width", "depth", "steps", "batch_size", "lr")
-    settings += ("base", "base_components", "zero_last")
-    return {
-        "system": f"cnftrace {cnftrace.__version__}",
-        "command": "cnftrace " + shlex.join(train),
-        "recipe": {k: config.get(k) for k in settings + ("patience",)},
-        "steps_done": records[-1]["step"],
-        "train_s": records[-1]["seconds"],
-        "train_command_s": train_wall,
-        "eval_command_s": eval_wall,
-        "best_val_step": min(vals, key=lambda r: r["val_nll"])["step"]
-        if vals
-        else None,
-        "eval": evaluation,
-        "nll": evaluation["test_nll"],
-        "stderr": evaluation["stderr"],
-        "output_tail": output.strip().splitlines()[-3:],
-    }
-
-
 def run_file(
     name: str,
     work_dir: str,
@@ -289,11 +156,11 @@ def run_file(
     in the data's units (`methods`), and cnftrace's gap to the BIC mixture with its
     paired standard error (from the run's per-row log-densities, recomputed here).
     `split_seed`: the command line's `--split-seed` (and the baselines' split)."""
-    loader, source, holds = tables.TABLES[name]
+    loader, source, holds = TABLES[name]
     data, names = loader()
     path = os.path.join(work_dir, name, f"{name}.csv")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tables.write_csv(path, data, names)
+    write_csv(path, data, names)
     table = read_table(path).data  # what cnftrace reads
     if not np.array_equal(table, data):
         raise AssertionError(f"{path} does not read back as the table written.")
@@ -322,17 +189,17 @@ def run_file(
     )
     methods = {"cnftrace": ours}
     for method, result in (
-        ("gmm_bic", tables.gmm_bic(z_train, z_test)),
-        ("kde_cv", tables.kde_cv(z_train, z_test)),
+        ("gmm_bic", gmm_bic(z_train, z_test)),
+        ("kde_cv", kde_cv(z_train, z_test)),
     ):
         logp[method] = result.pop("test_logp") + log_det
         methods[method] = result
-    logp["gaussian"] = tables.gaussian_log_prob(train, test)
+    logp["gaussian"] = gaussian_log_prob(train, test)
     methods["gaussian"] = {
         "minus_eval_json": float(-logp["gaussian"].mean())
         - ours["eval"]["gaussian_baseline_nll"]
     }
-    zuko_peer, missing = _bench_peer() if peers else (None, None)
+    zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     for model in peers:
         if model != "nsf":
             raise ValueError(f"the files half runs zuko's NSF only; got {model!r}.")
@@ -346,7 +213,7 @@ def run_file(
         methods["zuko_nsf"] = z
     for method, values in logp.items():
         if method != "cnftrace":  # eval.json's figures are cnftrace's
-            methods[method].update(tables.summary(values))
+            methods[method].update(summary(values))
     others = {k: v for k, v in methods.items() if k != "cnftrace"}
     print(f"B5 {name}: baselines {others}", flush=True)
     row["methods"] = methods

@@ -34,9 +34,16 @@ import numpy as np
 
 import cnftrace
 from cnftrace.datasets import heavy_tailed
-from experiments._common import RESULTS, atomic_write, markdown_table, progress
-from experiments.bench.b4 import Target, cnftrace_log_prob, zuko_at_seconds
-from experiments.bench.b5 import _bench_peer
+from experiments._common import (
+    RESULTS,
+    Target,
+    atomic_write,
+    cnftrace_log_prob,
+    markdown_table,
+    progress,
+    zuko_at_seconds,
+    zuko_peer_module,
+)
 
 DIMS = (2, 5, 10)
 TAIL_SHARE = 0.05
@@ -116,7 +123,7 @@ def run(
     earlier=None,
 ):
     """The rows of `dims`, added to (or replacing those of) the `earlier` rows."""
-    zuko_peer, missing = _bench_peer() if peers else (None, None)
+    zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = dict(earlier or {})
     for d in dims:
         target = Target(f"heavy_tailed({d})", heavy_tailed(d, seed=0))

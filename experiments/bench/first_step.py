@@ -3,10 +3,8 @@
 Every new process (`cnftrace train`, `make demo`, a resume) pays for tracing and
 compiling the training step before it trains. With JAX's persistent compilation cache
 (`cnftrace.enable_compilation_cache`, on by default for the command line and the
-demo) a second process loads the compiled step from disk instead of compiling it, and
-reads the traced gradient that `fit` stored beside it instead of tracing it again
-(`cnftrace/_stepcache.py`); it still traces the rest of the step (sampler, optimiser)
-and lowers it.
+demo) a second process still traces and lowers the step, then loads the compiled
+program from disk instead of compiling it.
 
 For each estimator this starts three processes on one fresh cache directory: the
 first compiles (cold), the next two load (warm). Each reports B1's first step (the
@@ -39,10 +37,10 @@ TARGETS = {"cold": 5.0, "warm": 1.0}
 
 def _child(estimator: str) -> None:
     import cnftrace
-    from experiments.bench import b1
+    from experiments._common import cnftrace_b1
 
     cnftrace.enable_compilation_cache()  # the directory comes from the environment
-    r = b1.cnftrace_b1(estimator, iters=3)
+    r = cnftrace_b1(estimator, iters=3)
     since_start = time.perf_counter() - _PROCESS_START - sum(r["iter_times"][1:])
     print(json.dumps({"first_step_s": r["first_step_s"], "since_start_s": since_start}))
 

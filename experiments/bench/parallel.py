@@ -1,8 +1,9 @@
 """Data-parallel training throughput on 1, 2 and 4 devices.
 
-B1's model and data (see `common.py`: 8gaussians, ConcatSquash 2-64-64-64-2, Tsit5 at
-rtol = atol = 1e-5, Adam, float32, one Rademacher probe) trained with
-`cnftrace.fit(..., mesh=cnftrace.data_mesh(n))`, each device count in its own process.
+B1's model and data (see `experiments/README.md`: 8gaussians, ConcatSquash
+2-64-64-64-2, Tsit5 at rtol = atol = 1e-5, Adam, float32, one Rademacher probe)
+trained with `cnftrace.fit(..., mesh=cnftrace.data_mesh(n))`, each device count in its
+own process.
 On CPU the devices are forced with `XLA_FLAGS=--xla_force_host_platform_device_count=N`:
 they share the machine's cores, so on a small machine the figures show the overhead of
 sharding, not a speed-up. Every run uses the same key, so every device count does the
@@ -32,7 +33,6 @@ import jax.random as jr
 
 import cnftrace
 from experiments import _common
-from experiments.bench import b1, common
 
 # The repository root, from which the children run this module.
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,8 +43,8 @@ def child(devices: int | None, steps: int, warmup: int, batch_size: int) -> dict
     records = []
     mesh = None if devices is None else cnftrace.data_mesh(devices)
     _, history = cnftrace.fit(
-        b1.make_flow("hutchinson"),
-        b1._data,
+        _common.b1_flow("hutchinson"),
+        _common.b1_data,
         key=jr.key(0),
         steps=steps,
         batch_size=batch_size,
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=common.B1_BATCH)
+    parser.add_argument("--batch-size", type=int, default=_common.B1_BATCH)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", help="output stem (default results/parallel_BACKEND)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -174,10 +174,10 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
-        "cores": common.cores(),
+        "cores": _common.cores(),
         "rows": rows,
     }
-    text = markdown(rows, args.backend, common.cores(), args.batch_size, args.rounds)
+    text = markdown(rows, args.backend, _common.cores(), args.batch_size, args.rounds)
     _common.write_results(stem, payload, text)
     print(text)
     return 0

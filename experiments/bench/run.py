@@ -1,6 +1,6 @@
-"""The benchmark suite in one command: B1, B2 and B3 of `shared/BENCHMARK.md`, cnftrace
-beside zuko (and in B1 beside TFP's JAX FFJORD too) in the same invocation, written to
-a markdown report.
+"""The benchmark suite in one command: B1, B2 and B3 (`experiments/README.md`),
+cnftrace beside zuko (and in B1 beside TFP's JAX FFJORD too) in the same invocation,
+written to a markdown report.
 
     pip install -e ".[bench]"                 # torch 2.13.0 (CPU) and zuko
     pip install --pre -e ".[peers]"           # TFP's JAX FFJORD (tfp-nightly: --pre)
@@ -10,8 +10,10 @@ a markdown report.
 
 B1 runs the systems alternated, `--repeats` times (cnftrace, zuko, TFP, cnftrace,
 zuko, TFP, ... for each estimator; 2 by default, 1 with `--quick`), and reports every
-run and the medians. Writes `docs/benchmarks.md` (or `--out`) atomically: the machine
-and versions, every figure beside its target, and the raw numbers as JSON next to it.
+run and the medians. Writes `experiments/results/benchmarks.md` (or `--out`)
+atomically: the machine and versions, every figure beside its target, and the raw
+numbers as JSON next to it. `docs/benchmarks.md` quotes its headline figures and
+includes its full tables.
 Without a peer installed its rows say so and the other figures are still measured.
 """
 
@@ -26,10 +28,9 @@ import sys
 import jax
 
 import cnftrace
+from experiments import _common
 from experiments._common import atomic_write, markdown_table
-from experiments.bench import b1, b2, b3, b4, common
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
+from experiments.bench import b1, b2, b3, b4
 
 # What a peer's rows say where its package is not installed (with the import error).
 ZUKO_MISSING = "zuko peer not run; `pip install -e '.[bench]'`"
@@ -58,7 +59,7 @@ TARGETS = {
     "floor_ratio": 1.3,
     "b2_seconds": 180.0,
 }
-# BENCHMARK.md's peer NFE per forward solve in B1.
+# The peers' NFE per forward solve in B1 (experiments/README.md).
 PEER_NFE = {"FFJORD reference": 22, "zuko 1.6.0": 40, "diffrax example": 27}
 
 
@@ -82,7 +83,7 @@ def _b1_once(system: str, est: str, iters: int, batch: int) -> dict | None:
         # persistent compilation cache (which this script leaves off): otherwise the
         # second round's step would come from this process's in-memory cache.
         jax.clear_caches()
-        return b1.cnftrace_b1(est, iters=iters, batch=batch)
+        return _common.cnftrace_b1(est, iters=iters, batch=batch)
     if system == "zuko":
         if zuko_peer is None:
             return None
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         parser.error(
             f"--only: unknown sections {sorted(unknown)}; use {', '.join(SECTIONS)}."
         )
-    out = args.out or os.path.join(_HERE, os.pardir, os.pardir, "docs", "benchmarks.md")
+    out = args.out or os.path.join(_common.RESULTS, "benchmarks.md")
     if args.quick:
         b1_args = dict(iters=3, batch=64)
         b4_args = b4.QUICK
@@ -431,11 +432,11 @@ def main(argv=None) -> int:
             memory=dict(num_steps=(4, 16), batch=64),
         )
     else:
-        b1_args = dict(iters=common.B1_ITERS, batch=common.B1_BATCH)
+        b1_args = dict(iters=_common.B1_ITERS, batch=_common.B1_BATCH)
         b2_args = dict(
             budgets={"8gaussians": 240.0, "checkerboard": 480.0},
-            eval_every=common.B2_EVAL_EVERY_S,
-            test_size=common.B2_TEST_SIZE,
+            eval_every=_common.B2_EVAL_EVERY_S,
+            test_size=_common.B2_TEST_SIZE,
         )
         b3_args = dict(divergence={}, step={}, memory={})
         b4_args = {}
@@ -455,13 +456,13 @@ def main(argv=None) -> int:
         }
 
     parts = [
-        "# Benchmarks",
+        "# B1, B2 and B3: the suite's last report",
         "",
         f"Written by `python -m experiments.bench.run{' --quick' if args.quick else ''}"
         f"{'' if sections == set(SECTIONS) else ' --only ' + args.only}"
         f"{'' if args.repeats is None else f' --repeats {args.repeats}'}` on "
-        f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `shared/BENCHMARK.md` and "
-        "`experiments/bench/common.py`; the peers' differences from the protocol: "
+        f"{started:%Y-%m-%d %H:%M} UTC. Protocol: `experiments/README.md`; "
+        "the peers' differences from the protocol: "
         "`experiments/bench/zuko_peer.py` (zuko, `pip install -e '.[bench]'`) and "
         "`experiments/bench/tfp_peer.py` (TFP's JAX FFJORD, `pip install --pre -e "
         "'.[peers]'`: tfp-nightly is a pre-release).",
@@ -530,7 +531,11 @@ def main(argv=None) -> int:
     elif os.path.exists(b4.RESULTS_STEM + ".md"):
         with open(b4.RESULTS_STEM + ".md") as f:
             parts += ["", b4_title + " (its last run)", "", f.read().rstrip()]
-    report = "\n".join(parts) + "\n"
+    # Two heading levels down, so that docs/benchmarks.md includes the report whole
+    # under its section "Full tables of the last runs".
+    lines = "\n".join(parts).split("\n")
+    report = "\n".join("##" + line if line.startswith("#") else line for line in lines)
+    report += "\n"
     atomic_write(out, report.encode())
     raw = {
         "b1": b1_res,

@@ -1,4 +1,4 @@
-"""TFP's JAX FFJORD as a B1 peer (see `common.py` and `shared/BENCHMARK.md`).
+"""TFP's JAX FFJORD as a B1 peer (see `experiments/README.md`).
 
 The peer a JAX user would pick instead of cnftrace: TensorFlow Probability's
 `tfp.bijectors.FFJORD` on its JAX substrate, which needs no TensorFlow:
@@ -89,7 +89,7 @@ from tensorflow_probability.python.internal.backend.jax import (
 from tensorflow_probability.substrates import jax as tfp
 
 from cnftrace.datasets import toy_sample
-from experiments.bench import common
+from experiments import _common
 
 SOLVER = (
     "tfp.math.ode.DormandPrince: adaptive Dormand-Prince 5(4), first step 1e-3, "
@@ -155,8 +155,8 @@ class ConcatSquashField(eqx.Module):
     def __init__(
         self,
         dim: int = 2,
-        width: int = common.B1_WIDTH,
-        depth: int = common.B1_DEPTH,
+        width: int = _common.B1_WIDTH,
+        depth: int = _common.B1_DEPTH,
         *,
         key,
         dtype=jnp.float32,
@@ -299,8 +299,8 @@ class TFPModel(eqx.Module):
 def tfp_model(
     field: eqx.Module,
     exact: bool,
-    t1: float = common.B1_T1,
-    tol: float = common.B1_TOL,
+    t1: float = _common.B1_T1,
+    tol: float = _common.B1_TOL,
     model_type: type[TFPModel] = TFPModel,
 ) -> tuple[TFPModel, tuple]:
     """`(model, params)` for `field`, a vector field `f(t, y, args)` on one sample."""
@@ -332,12 +332,12 @@ def _data(key, n: int):
 
 def tfp_b1(
     exact: bool,
-    iters: int = common.B1_ITERS,
-    batch: int = common.B1_BATCH,
+    iters: int = _common.B1_ITERS,
+    batch: int = _common.B1_BATCH,
     seed: int = 0,
     *,
-    width: int = common.B1_WIDTH,
-    depth: int = common.B1_DEPTH,
+    width: int = _common.B1_WIDTH,
+    depth: int = _common.B1_DEPTH,
     model_type: type[TFPModel] = TFPModel,
 ) -> dict:
     """B1: wall seconds per training iteration of TFP's JAX FFJORD (data + forward +
@@ -354,9 +354,9 @@ def tfp_b1(
     model, params = tfp_model(field, exact, model_type=model_type)
     adjoint_counts: list[int] = []
     step = _make_step(
-        model, optax.adam(common.B1_LR), lambda n: adjoint_counts.append(int(n))
+        model, optax.adam(_common.B1_LR), lambda n: adjoint_counts.append(int(n))
     )
-    opt_state = optax.adam(common.B1_LR).init(params)
+    opt_state = optax.adam(_common.B1_LR).init(params)
     data_key, probe_key = jr.fold_in(key, 1), jr.fold_in(key, 2)
     _data(jr.fold_in(data_key, 2**31 - 1), batch).block_until_ready()  # the sampler
 
@@ -384,10 +384,10 @@ def tfp_b1(
         "estimator": "exact" if exact else "hutchinson",
         "solver": SOLVER,
         "notes": NOTES,
-        "s_per_iter": common.window_avg(times),
+        "s_per_iter": _common.window_avg(times),
         "first_step_s": times[0],
-        "nfe_fwd": common.window_avg(nfe_fwd),
-        "nfe_bwd": common.window_avg(nfe_bwd),
+        "nfe_fwd": _common.window_avg(nfe_fwd),
+        "nfe_bwd": _common.window_avg(nfe_bwd),
         "iter_times": times,
         "nfe_fwd_iters": nfe_fwd,
         "nfe_bwd_iters": nfe_bwd,
@@ -398,8 +398,8 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="B1 for TFP's JAX FFJORD.")
-    parser.add_argument("--iters", type=int, default=common.B1_ITERS)
-    parser.add_argument("--batch", type=int, default=common.B1_BATCH)
+    parser.add_argument("--iters", type=int, default=_common.B1_ITERS)
+    parser.add_argument("--batch", type=int, default=_common.B1_BATCH)
     cli = parser.parse_args()
     for exact in (False, True):
         r = tfp_b1(exact, iters=cli.iters, batch=cli.batch)

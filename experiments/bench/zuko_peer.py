@@ -1,4 +1,4 @@
-"""The zuko peer for B1, B2, B4 and B5 (see `common.py` and `shared/BENCHMARK.md`).
+"""The zuko peer for B1, B2, B4 and B5 (see `experiments/README.md`).
 
 zuko 1.6's `zuko.flows.CNF` is configured as close to our protocol as its constructor
 allows: an MLP with hidden features (64, 64, 64) and tanh, atol = rtol = 1e-5, float32,
@@ -38,6 +38,10 @@ sizes (batch 512, width 64) a second thread buys little, and when another proces
 competes for the cores torch's thread pool slows down several-fold; pass `threads=1`
 to see that effect (the result records the count used).
 
+Device: the CPU by default; `device="cuda"` (B1 and B4/B5's constructed densities, for
+the GPU run `experiments/bench/gpu.py`) moves the model and each batch there and waits
+for the device (`torch.cuda.synchronize`) before each step's clock stops.
+
 B2 evaluates the test set in chunks of `eval_batch` under `torch.no_grad()`, with an
 exact-trace copy of the model that is loaded with the trained weights at each
 evaluation. zuko's error norm is a max over the chunk, so the chunk size changes the
@@ -55,7 +59,7 @@ import torch
 import zuko
 
 from cnftrace.datasets import toy_log_prob, toy_sample
-from experiments.bench import common
+from experiments import _common
 
 SOLVER = (
     "zuko odeint: adaptive Dormand-Prince 5(4), 7 evals per attempted step, max-norm "
@@ -70,7 +74,7 @@ NOTES = (
 
 def _setup_torch(seed: int, threads: int | None) -> int:
     """Seed torch and set its intra-op threads (default: one per available core)."""
-    threads = common.cores() if threads is None else threads
+    threads = _common.cores() if threads is None else threads
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     return threads
@@ -79,10 +83,10 @@ def _setup_torch(seed: int, threads: int | None) -> int:
 def _make_flow(exact: bool) -> zuko.flows.CNF:
     return zuko.flows.CNF(
         features=2,
-        hidden_features=(common.B1_WIDTH,) * common.B1_DEPTH,
+        hidden_features=(_common.B1_WIDTH,) * _common.B1_DEPTH,
         activation=torch.nn.Tanh,
-        atol=common.B1_TOL,
-        rtol=common.B1_TOL,
+        atol=_common.B1_TOL,
+        rtol=_common.B1_TOL,
         exact=exact,
     )
 
@@ -101,10 +105,16 @@ class _CallCounter:
         self._handle.remove()
 
 
-def _batch(dataset: str, key, n: int) -> torch.Tensor:
+def _batch(dataset: str, key, n: int, device: str = "cpu") -> torch.Tensor:
     # np.array copies JAX's read-only buffer into a writable float32 array.
     x = np.array(toy_sample(dataset, key, n, dtype=np.float32), dtype=np.float32)
-    return torch.from_numpy(x)
+    return torch.from_numpy(x).to(device)
+
+
+def _sync(device: str) -> None:
+    """Waits for the work queued on `device` (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _train_step(flow, opt, x, counter) -> tuple[float, int, int]:
@@ -125,15 +135,19 @@ def zuko_b1(
     batch: int = 512,
     seed: int = 0,
     threads: int | None = None,
+    device: str = "cpu",
+    max_seconds: float | None = None,
 ) -> dict:
     """B1: wall seconds per training iteration of zuko's CNF (data + forward +
     backward + Adam update), with NFE per iteration averaged over B1's window.
-    `threads` is torch's intra-op thread count, by default one per core."""
+    `threads` is torch's intra-op thread count, by default one per core. With
+    `max_seconds`, it stops after the iteration that passes that many seconds
+    (`iters_done` says where; the window is then cut short as for a short run)."""
     if iters < 1:
         raise ValueError(f"iters must be positive; got {iters}.")
     threads = _setup_torch(seed, threads)
-    flow = _make_flow(exact)
-    opt = torch.optim.Adam(flow.parameters(), lr=common.B1_LR)
+    flow = _make_flow(exact).to(device)
+    opt = torch.optim.Adam(flow.parameters(), lr=_common.B1_LR)
     counter = _CallCounter(flow.transform.ode)
     key = jax.random.key(seed)
     _batch("8gaussians", jax.random.fold_in(key, 2**31 - 1), batch)  # warm the sampler
@@ -142,15 +156,18 @@ def zuko_b1(
     try:
         for i in range(iters):
             t0 = time.perf_counter()
-            x = _batch("8gaussians", jax.random.fold_in(key, i), batch)
+            x = _batch("8gaussians", jax.random.fold_in(key, i), batch, device)
             _, nf, nb = _train_step(flow, opt, x, counter)
+            _sync(device)
             times.append(time.perf_counter() - t0)
             nfe_fwd.append(nf)
             nfe_bwd.append(nb)
+            if max_seconds is not None and sum(times) >= max_seconds:
+                break
     finally:
         counter.remove()
 
-    s_per_iter = common.window_avg(times)
+    s_per_iter = _common.window_avg(times)
     return {
         "system": f"zuko {zuko.__version__}",
         "estimator": "exact" if exact else "hutchinson (gaussian probe)",
@@ -158,10 +175,12 @@ def zuko_b1(
         "notes": NOTES,
         "s_per_iter": s_per_iter,
         "first_step_s": times[0],
-        "nfe_fwd": float(common.window_avg(nfe_fwd)),
-        "nfe_bwd": float(common.window_avg(nfe_bwd)),
+        "nfe_fwd": float(_common.window_avg(nfe_fwd)),
+        "nfe_bwd": float(_common.window_avg(nfe_bwd)),
         "iter_times": times,
+        "iters_done": len(times),
         "threads": threads,
+        "device": device,
     }
 
 
@@ -193,14 +212,14 @@ def zuko_b2(
     Besides the curve, `time_to_gap` (training seconds at the first evaluation within
     each gap, or None), `best_gap` and `steps`, it returns the `floor` and the test
     set's own mean NLL under the true density (`test_true_nll`)."""
-    tracker = common.QualityCurve(dataset, eval_every_s)
+    tracker = _common.QualityCurve(dataset, eval_every_s)
     threads = _setup_torch(seed, threads)
     flow = _make_flow(exact=False)
     eval_flow = _make_flow(exact=True).eval()  # takes `flow`'s weights at each eval
     opt = torch.optim.Adam(flow.parameters(), lr=lr)
     counter = _CallCounter(flow.transform.ode)
 
-    test_key = jax.random.key(common.B2_TEST_SEED)
+    test_key = jax.random.key(_common.B2_TEST_SEED)
     x_test_np = np.array(
         toy_sample(dataset, test_key, test_size, dtype=np.float32), dtype=np.float32
     )
@@ -265,7 +284,7 @@ def _log_prob_chunks(flow, x: torch.Tensor, chunk: int = 2000) -> np.ndarray:
     out = []
     with torch.no_grad():
         for lo in range(0, x.shape[0], chunk):
-            out.append(flow().log_prob(x[lo : lo + chunk]).double().numpy())
+            out.append(flow().log_prob(x[lo : lo + chunk]).double().cpu().numpy())
     return np.concatenate(out)
 
 
@@ -281,19 +300,20 @@ def zuko_b4(
     threads: int | None = None,
     max_train_s: float | None = None,
     model: str = "cnf",
+    device: str = "cpu",
 ) -> dict:
     """B4 and B5: train zuko's CNF (or, with `model="nsf"`, its NSF) for `steps` steps
     of `batch` samples from `sample(key, n)` (a JAX sampler, the same as cnftrace's),
     with the exact per-sample log-densities of `test` at each training second in
     `eval_at_s` and at the end (evaluations off the clock). With `max_train_s`,
     training stops once that many seconds are spent (`steps_done` says where);
-    `steps=None` trains until then."""
+    `steps=None` trains until then. `device`: where zuko trains and evaluates."""
     if steps is None and max_train_s is None:
         raise ValueError("give `steps`, `max_train_s` or both.")
     threads = _setup_torch(seed, threads)
-    flow = MODELS[model](dim)
+    flow = MODELS[model](dim).to(device)
     opt = torch.optim.Adam(flow.parameters(), lr=lr)
-    x_test = torch.from_numpy(np.array(test, dtype=np.float32))
+    x_test = torch.from_numpy(np.array(test, dtype=np.float32)).to(device)
     key = jax.random.fold_in(jax.random.key(seed), 1)
     np.asarray(sample(key, batch))  # the sampler's compile, not on the clock
     pending = sorted(eval_at_s)
@@ -302,11 +322,12 @@ def zuko_b4(
     for i in itertools.count() if steps is None else range(steps):
         t0 = time.perf_counter()
         x = np.array(sample(jax.random.fold_in(key, i), batch), dtype=np.float32)
-        x = torch.from_numpy(x)
+        x = torch.from_numpy(x).to(device)
         loss = -flow().log_prob(x).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        _sync(device)
         train_s += time.perf_counter() - t0
         while pending and train_s >= pending[0]:
             at_s.append((pending.pop(0), i + 1, _log_prob_chunks(flow, x_test)))
@@ -320,6 +341,7 @@ def zuko_b4(
         "final_logp": _log_prob_chunks(flow, x_test),
         "at_s": at_s,
         "threads": threads,
+        "device": device,
     }
 
 

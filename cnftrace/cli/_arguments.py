@@ -1,10 +1,12 @@
-"""The parsers of `cnftrace train`'s flag values, by the package's one rule for
-numbers (`parse_int`, `parse_float`)."""
+"""`cnftrace train`'s flags: one per setting of `RunConfig`, with the parsers of
+their values by the package's one rule for numbers (`parse_int`, `parse_float`)."""
 
 import argparse
+import dataclasses
 import math
 
 from .._checks import parse_float, parse_int
+from ..runs import GROUPS, RunConfig
 
 
 def integer_argument(value: str) -> int:
@@ -61,3 +63,48 @@ class DataAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values[0] if len(values) == 1 else tuple(values))
+
+
+# The plain values of a setting's `type` and `action` (see `RunConfig`'s settings)
+# as argparse's.
+_TYPES = {
+    int: integer_argument,
+    float: number_argument,
+    "tolerance": tolerance_argument,
+    "devices": devices_argument,
+}
+_ACTIONS = {"on/off": argparse.BooleanOptionalAction}
+
+
+def _flagged() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(RunConfig) if f.metadata["flag"]]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per setting of `RunConfig` to `parser`, in argument groups,
+    each help ending with the default."""
+    groups = {name: parser.add_argument_group(f"{name} settings") for name in GROUPS}
+    for f in _flagged():
+        kwargs = dict(f.metadata["flag_kwargs"])
+        if "type" in kwargs:
+            kwargs["type"] = _TYPES[kwargs["type"]]
+        if "action" in kwargs:
+            kwargs["action"] = _ACTIONS.get(kwargs["action"], kwargs["action"])
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name == "data":
+            flags.append("--dataset")
+            kwargs["action"] = DataAction
+        shown = f.metadata["shown"] or flag_value(f.default)
+        ending = "required" if kwargs.get("required") else f"default: {shown}"
+        groups[f.metadata["group"]].add_argument(
+            *flags,
+            dest=f.name,
+            default=f.default,
+            help=f"{f.metadata['help']} ({ending})",
+            **kwargs,
+        )
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The settings of parsed flags (those `add_run_arguments` added)."""
+    return RunConfig(**{f.name: getattr(args, f.name) for f in _flagged()})

@@ -178,21 +178,17 @@ def prune(directory: str, keep: int, like, config) -> list[str]:
 
 
 def read_header(path: str) -> tuple[dict, bytes]:
-    """Reads and verifies a checkpoint file; returns `(header, payload)`. Also reads
-    format 1 (one JSON header line, the payload's SHA-256 in it)."""
+    """Reads and verifies a checkpoint file; returns `(header, payload)`."""
     try:
         with open_regular(path) as (fd, size):
             if size == 0:
                 raise CheckpointError(f"{path} is empty.")
             start = os.read(fd, min(size, _FIRST_LINE_LIMIT))
-            if start.startswith(_MAGIC.encode() + b" "):
-                header, payload = _read_v2(fd, size, start, path)
-            elif start.startswith(b"{"):
-                header, payload = _read_v1(fd, size, start, path)
-            else:
+            if not start.startswith(_MAGIC.encode() + b" "):
                 raise CheckpointError(
                     f"{path} is not a cnftrace checkpoint (bad header)."
                 )
+            header, payload = _read_body(fd, size, start, path)
     except FileKindError as e:  # not a regular file, or truncated
         raise CheckpointError(str(e)) from None
     if not isinstance(header.get("step"), int) or "leaves" not in header:
@@ -206,7 +202,7 @@ def read_header(path: str) -> tuple[dict, bytes]:
     return header, payload
 
 
-def _read_v2(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
+def _read_body(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
     first, newline, rest = start.partition(b"\n")
     fields = first.split(b" ")
     if not newline or len(fields) != 5:
@@ -221,7 +217,7 @@ def _read_v2(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {version}; this version of cnftrace reads "
-            f"formats 1 and {FORMAT_VERSION}."
+            f"format {FORMAT_VERSION}."
         )
     expected = len(first) + 1 + n_header + n_payload
     if n_header < 0 or n_payload < 0 or n_header > _HEADER_LIMIT or size != expected:
@@ -235,25 +231,6 @@ def _read_v2(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
     if _digest(prefix, head, payload) != digest:
         raise CheckpointError(f"{path} is corrupted: its checksum does not match.")
     return _json_header(head, path), payload
-
-
-def _read_v1(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes]:
-    data = start + read_exactly(fd, min(size, _HEADER_LIMIT) - len(start), path)
-    line, newline, rest = data.partition(b"\n")
-    if not newline:
-        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
-    header = _json_header(line, path)
-    if header.get("magic") != _MAGIC or header.get("format_version") != 1:
-        raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
-    n_payload = header.get("payload_bytes")
-    if not isinstance(n_payload, int) or size - len(line) - 1 != n_payload:
-        raise CheckpointError(
-            f"{path} is truncated: {size - len(line) - 1} of {n_payload} payload bytes."
-        )
-    payload = rest + read_exactly(fd, n_payload - len(rest), path)
-    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-        raise CheckpointError(f"{path} is corrupted: its checksum does not match.")
-    return header, payload
 
 
 def _json_header(data: bytes, path: str) -> dict:
@@ -354,15 +331,13 @@ def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
     return header["step"], deserialise(payload, like, path)
 
 
-def _verified(path: str, like, config, legacy=None) -> tuple[dict, bytes]:
+def _verified(path: str, like, config) -> tuple[dict, bytes]:
     """`(header, payload)` of a checkpoint that fits `like` and `config`, checked
-    down to every array record's shape and dtype, but not deserialised. A key of
-    `legacy` missing from the checkpoint's config (a setting added since it was
-    written) stands for its value there."""
+    down to every array record's shape and dtype, but not deserialised."""
     header, payload = read_header(path)
     if config is not None:
         saved = header.get("config")
-        saved = {**(legacy or {}), **(saved if isinstance(saved, dict) else {})}
+        saved = saved if isinstance(saved, dict) else {}
         diffs = config_mismatch(saved, config)
         if diffs:
             raise _ConfigMismatch(
@@ -379,19 +354,15 @@ def _verified(path: str, like, config, legacy=None) -> tuple[dict, bytes]:
     return header, payload
 
 
-def latest_good_checkpoint(
-    directory: str, like, config=None, *, warn=None, legacy=None
-):
+def latest_good_checkpoint(directory: str, like, config=None, *, warn=None):
     """The newest checkpoint in `directory` that loads cleanly, skipping (and
     reporting, with the reason, to `warn`: a line on stderr by default) every one
-    that does not. A config mismatch is not skipped: it raises (`legacy`: the
-    values a checkpoint written before a setting existed stands for). Returns
-    `(step, state, header)` or `None` when there is no
-    usable checkpoint."""
+    that does not. A config mismatch is not skipped: it raises. Returns
+    `(step, state, header)` or `None` when there is no usable checkpoint."""
     warn = warn_stderr if warn is None else warn
     for _, path in reversed(list_checkpoints(directory)):
         try:
-            header, payload = _verified(path, like, config, legacy)
+            header, payload = _verified(path, like, config)
             state = deserialise(payload, like, path)
         except _ConfigMismatch:
             raise

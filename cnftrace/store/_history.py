@@ -1,5 +1,5 @@
-"""Step-keyed JSON-lines logs: `fit`'s history file beside its checkpoints and the
-command line's `metrics.jsonl`.
+"""Step-keyed JSON-lines logs: `fit`'s history file (`history.jsonl` beside its
+checkpoints, or the command line's `RUN_DIR/metrics.jsonl`).
 
 One JSON record per line, each with its `step`. A process killed after its last
 checkpoint leaves records of steps that the resumed run takes again, so on resume a
@@ -198,12 +198,3 @@ def history_from_records(records: Iterable[dict]) -> dict[str, list]:
         else:
             history = append_train(history, r)
     return history
-
-
-def records_from_history(history: dict[str, list]) -> list[dict]:
-    """The log's records of a history (a dict of lists), in step order."""
-    train = [n for n in history if n not in VAL_NAMES]
-    records = [dict(zip(train, values)) for values in zip(*(history[n] for n in train))]
-    for step, mean, stderr in zip(*(history.get(n, []) for n in VAL_NAMES)):
-        records.append({"step": step, "val_nll": mean, "val_stderr": stderr})
-    return dedupe(records)

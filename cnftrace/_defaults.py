@@ -1,0 +1,150 @@
+"""Every default of the model and its training, decided in this one module.
+
+The builders (`MLPField`, `mlp_flow`, `CNF`), `fit`, `Trainer`, the optimiser, the
+objectives, `RunConfig` and the command line import their defaults from here rather
+than writing their own, so that a default changed here changes everywhere (a test
+checks that no default literal is written twice). Where the command line must differ
+from `fit`, the difference is decided here too, with its reason. The measurements
+behind each choice are in docs/quality.md.
+"""
+
+import dataclasses
+
+# The model: each block's field and its solve.
+DEPTH = 3  # hidden layers of each block's field
+T1 = 0.5  # integration time of a block
+RTOL = 1e-5  # the solver's tolerances when a flow is evaluated or sampled
+ATOL = 1e-5
+MAX_STEPS = 4096  # the solver's step budget per solve (a solve that needs more fails)
+PCOEFF = 0.4  # the PID step-size controller's coefficients (diffrax's advice for
+ICOEFF = 0.3  # the adaptive solves of neural ODEs)
+FREQS = 3  # sinusoidal time features of a field
+CONCATSQUASH_WIDTH = 64  # FFJORD's ConcatSquash field, as FFJORD trained it
+MULTISCALE_T1 = 1.0  # each block of FFJORD's multiscale image model
+EGNN_WIDTH = 32  # the equivariant field of particle systems
+EGNN_DEPTH = 3
+# The width is what buys quality as the dimension grows: (up to this many
+# dimensions, width), then `WIDTH_MAX` beyond.
+WIDTH_BY_DIM = ((5, 64), (20, 256))
+WIDTH_MAX = 512
+# On a table a wider field overfits before it learns more: `TABLE_WIDTH` units of
+# width per `TABLE_ROWS` training rows, and at least `TABLE_WIDTH`.
+TABLE_ROWS = 2000
+TABLE_WIDTH = 64
+
+# A table's rows held out for validation and for the test, when a file is split.
+VAL_FRACTION = 0.1
+TEST_FRACTION = 0.1
+
+# Training on samples without end (`fit`, `Trainer`).
+STEPS = 1000  # `fit`'s optimiser steps
+BATCH_SIZE = 512  # samples per step
+LR = 3e-3  # the peak of the warmup-cosine schedule
+LR_END_DIVISOR = 20  # the schedule ends at the peak over this
+WARMUP = 50  # the schedule's warmup steps, at most a quarter of the run
+CONSTANT_LR = 1e-3  # Adam's rate where the run's length is unknown (a bare `Trainer`)
+CLIP = 10.0  # the gradients' global norm is clipped at this
+# The solver's rtol = atol in maximum-likelihood and reverse-KL training: a looser
+# solve trains as well per step at a fraction of the cost; evaluation uses the
+# model's own tolerances.
+TRAIN_TOLERANCE = 1e-3
+ESTIMATOR = "rademacher"  # the trace estimator in training (one probe)
+EVAL_BATCH_SIZE = 1000  # rows per compiled call when evaluating with the exact trace
+MAX_FAILURES = 10  # consecutive non-finite steps `fit` skips before it stops
+
+# The command line on a finite table (a data file, a `--data-dir` or a built-in set)
+# differs from `fit`: a table has a few hundred to a few thousand rows, so a batch of
+# 512 would be most of it, and smaller, noisier batches over more steps, with the
+# best validation kept, learn more from the same rows.
+CLI_STEPS = 2400
+CLI_BATCH_SIZE = 128
+# Data sets whose shape needs its own length and batch: checkerboard's sharp edges
+# need more and less noisy steps.
+CLI_BY_DATA = {"checkerboard": {"steps": 8000, "batch_size": 256}}
+CLI_PATIENCE = 10  # validations without improvement before a table's run stops
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What [`default_recipe`][cnftrace.default_recipe] chose, and why.
+
+    - `width`, `depth`: the hidden layers of each block's MLP field.
+    - `batch_size`: samples per training step.
+    - `lr`: the peak learning rate of `warmup_cosine_adam`.
+    - `reason`: one line saying what the choice followed.
+    """
+
+    width: int
+    depth: int
+    batch_size: int
+    lr: float
+    reason: str
+
+
+def default_width(dim: int, rows: int | None = None) -> int:
+    """The default hidden width for `dim` dimensions: 64 up to 5 dimensions, 256 up
+    to 20, 512 beyond; for a table of `rows` training rows, at most 64 per 2,000
+    rows (and at least 64)."""
+    width = next((w for most, w in WIDTH_BY_DIM if dim <= most), WIDTH_MAX)
+    if rows is not None:
+        width = min(width, TABLE_WIDTH * max(1, rows // TABLE_ROWS))
+    return width
+
+
+def cli_training(data: object) -> dict:
+    """The command line's steps and batch size for `data` (a built-in set's name,
+    or anything else for a file or a directory)."""
+    default = {"steps": CLI_STEPS, "batch_size": CLI_BATCH_SIZE}
+    return CLI_BY_DATA.get(data, default) if isinstance(data, str) else default
+
+
+def default_recipe(dim: int, rows: int | None = None) -> Recipe:
+    """The default model and training settings for data of `dim` dimensions, and,
+    where the data are a table, `rows` training rows (`None`: fresh samples without
+    end, as from a sampler).
+
+    **Arguments:**
+
+    - `dim`: the size of one sample, an int >= 1.
+    - `rows`: the number of training rows, or `None`.
+
+    **Returns:**
+
+    A [`Recipe`][cnftrace.Recipe]. The width grows with the dimension (64 up to 5
+    dimensions, 256 up to 20, 512 beyond), which is what buys quality as the
+    dimension grows (docs/quality.md). On a table it grows with the rows too, by 64
+    per 2,000 training rows: on small tables a wider field overfits. The other
+    settings are the same for every size.
+
+    `MLPField` and `mlp_flow` see only the dimension: to train a small table in
+    Python, pass `width=cnftrace.default_recipe(dim, rows=len(train)).width`
+    (`cnftrace train` does this itself).
+
+    !!! example
+
+        ```python
+        print(cnftrace.default_recipe(2).width)    # 64
+        print(cnftrace.default_recipe(10).width)   # 256
+        print(cnftrace.default_recipe(10, rows=400).width)  # 64: a small table
+        print(cnftrace.default_recipe(10, rows=400).reason)
+        ```
+    """
+    for name, value, low in (("dim", dim, 1), ("rows", rows, 1)):
+        if value is None and name == "rows":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
+    width = default_width(dim, rows)
+    where = f"{dim} dimension{'s' if dim != 1 else ''}"
+    why = "64 up to 5 dimensions, 256 up to 20, 512 beyond"
+    if rows is not None:
+        where += f", {rows} training row{'s' if rows != 1 else ''}"
+        if width < default_width(dim):
+            why = "a table this size gets 64 per 2,000 rows: a wider field overfits"
+    return Recipe(
+        width=width,
+        depth=DEPTH,
+        batch_size=BATCH_SIZE,
+        lr=LR,
+        reason=f"{where}: width {width} ({why})",
+    )
