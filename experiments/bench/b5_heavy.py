@@ -174,7 +174,12 @@ def markdown(res: dict) -> str:
                 row["measured"],
             ]
         )
-    header = ["d", "steps", "default (normal base)", "fitted base (default for a table)"]
+    header = [
+        "d",
+        "steps",
+        "default (normal base)",
+        "fitted base (default for a table)",
+    ]
     header += ["base alone", "BIC mixture", "zuko NSF, fitted's seconds"]
     header += ["base chosen", "measured"]
     return markdown_table(header, rows, "rrrrrrrll")
