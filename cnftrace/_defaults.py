@@ -91,6 +91,20 @@ def default_width(dim: int, rows: int | None = None) -> int:
     return width
 
 
+def width_rule() -> str:
+    """The width rule in words, from `WIDTH_BY_DIM` and `WIDTH_MAX`, for the
+    recipe's reason line and `train --help`."""
+    steps = [f"{w} up to {d}" for d, w in WIDTH_BY_DIM]
+    steps[0] += " dimensions"
+    return ", ".join(steps) + f", {WIDTH_MAX} beyond"
+
+
+def table_width_rule(rows: str = "rows") -> str:
+    """The table rule in words, from `TABLE_WIDTH` and `TABLE_ROWS` (`rows`: what
+    the rows are called)."""
+    return f"{TABLE_WIDTH} per {TABLE_ROWS:,} {rows}"
+
+
 def cli_training(data: object) -> dict:
     """The command line's steps and batch size for `data` (a built-in set's name,
     or anything else for a file or a directory)."""
@@ -136,11 +150,11 @@ def default_recipe(dim: int, rows: int | None = None) -> Recipe:
             raise ValueError(f"`{name}` must be an int >= {low}; got {value!r}.")
     width = default_width(dim, rows)
     where = f"{dim} dimension{'s' if dim != 1 else ''}"
-    why = "64 up to 5 dimensions, 256 up to 20, 512 beyond"
+    why = width_rule()
     if rows is not None:
         where += f", {rows} training row{'s' if rows != 1 else ''}"
         if width < default_width(dim):
-            why = "a table this size gets 64 per 2,000 rows: a wider field overfits"
+            why = f"a table this size gets {table_width_rule()}: a wider field overfits"
     return Recipe(
         width=width,
         depth=DEPTH,

@@ -231,11 +231,11 @@ class DataFile:
         unknown, or at odds with another."""
         if not isinstance(record, dict):
             raise ValueError(f"`data_file` must be a JSON object; got {record!r:.60}.")
-        names = [f.name for f in dataclasses.fields(cls)]
+        fields = dataclasses.fields(cls)
+        names = [f.name for f in fields]
         unknown = sorted(set(record) - set(names) - set(_FLAGS))
         if unknown:
             raise ValueError(f"`data_file` holds unknown keys: {unknown}.")
-        fields = dataclasses.fields(cls)
         needed = [f.name for f in fields if f.default is dataclasses.MISSING]
         for key in (*needed, "mean", "scale", "standardize"):
             if key not in record:

@@ -145,8 +145,8 @@ class RunConfig:
         None,
         _MODEL,
         "hidden units",
-        shown="follows the data: 64 up to 5 dimensions, 256 up to 20, 512 beyond; "
-        "for a file, at most 64 per 2,000 training rows",
+        shown=f"follows the data: {defaults.width_rule()}; for a file, at most "
+        f"{defaults.table_width_rule('training rows')}",
         low=1,
         type=int,
     )
