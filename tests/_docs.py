@@ -8,11 +8,12 @@ import re
 import shlex
 import textwrap
 
+from _paths import ROOT
+
 import cnftrace
 import cnftrace.datasets
 import cnftrace.plot
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 NOT_RUN = "# not run"
 # A page with this line has its ```bash blocks run too, in page order with its

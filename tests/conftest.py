@@ -54,36 +54,43 @@ except OSError:
     _LIBC = None
 
 
-# The files that take longest (mostly XLA compiling), first: pytest-xdist's
-# `--dist loadfile` hands out whole files in collection order, so putting the long
-# ones first keeps one worker from finishing a long file alone at the end.
-LONGEST_FIRST = (  # by their measured time on one core, 2026-11-23
+# The files that take longest (mostly XLA compiling, or processes of their own),
+# first, by their measured time: pytest-xdist's `--dist loadfile` hands out whole
+# files in collection order, so putting the long ones first keeps one worker from
+# finishing a long file alone at the end.
+LONGEST_FIRST = (
     "test_docs_examples.py",
-    # Not in the measurement above: 45-52 s alone on 2 cores (2026-11-25), nearly
-    # all of it in its own processes (the README's 1500 training steps first).
-    "test_user_lane.py",
-    # About 38 s alone (2026-11-26), in its own processes: a filled cache, damaged.
-    "test_faults_cache.py",
-    "test_flow.py",
+    "test_cnf.py",
     "test_docstring_examples.py",
+    "test_user_lane.py",
+    "test_probability_flow.py",
     "test_train.py",
-    "test_parallel.py",
-    "test_conditional.py",
+    "test_cache_damage.py",
     "test_experiments_tabular.py",
-    "test_experiments_images.py",
-    "test_regularization.py",
-    "test_matching.py",
     "test_bench_run.py",
+    "test_conditional.py",
+    "test_bases.py",
+    "test_defaults.py",
     "test_cli.py",
+    "test_matching.py",
+    "test_regularization.py",
+    "test_experiments_images.py",
     "test_multiscale.py",
-    "test_checkpoint.py",
+    "test_reverse_kl.py",
+    "test_parallel.py",
     "test_bench_b3.py",
 )
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench")
 
 
 def pytest_collection_modifyitems(config, items):
+    """The longest files first; the smoke tests of the benchmarks and experiments
+    (tests/bench/) marked `bench`, so that `-m "not bench"` leaves them out."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if os.path.dirname(str(item.path)) == BENCH:
+            item.add_marker(pytest.mark.bench)
 
 
 @pytest.fixture(autouse=True)
@@ -103,16 +110,44 @@ def _optimized(request):
         jax.config.update("jax_disable_most_optimizations", True)
 
 
+# A worker's memory maps and resident memory beyond which its compiled programs are
+# dropped: every loaded XLA:CPU executable keeps a few hundred memory maps (about
+# 200 for a flow's `log_prob`, 500 for its gradient), and a process that reaches the
+# kernel's `vm.max_map_count` (65,530) crashes with a segmentation fault in XLA's
+# next compile; the executables also held each worker above 5 GB when none were
+# dropped.
+MAX_MAPS = 20_000
+MAX_RESIDENT = 3 * 2**30
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test file. Every loaded XLA:CPU
-    executable keeps a few hundred memory maps (about 200 for a flow's `log_prob`,
-    500 for its gradient), so a worker that runs the whole suite in one process
-    reaches the kernel's `vm.max_map_count` (65,530) and XLA crashes with a
-    segmentation fault in its next compile; the executables also held each worker
-    above 5 GB of resident memory. A file's programs are rarely reused by another."""
+    """After each test file, drop JAX's compiled programs if the worker holds too
+    many. Dropping them after every file cost the next file its recompiles of
+    what the two share (JAX's own small programs above all)."""
     yield
-    release_memory()
+    release_if_large()
+
+
+def _process_size() -> tuple[int, int] | None:
+    """The number of memory maps and the resident bytes of this process, where
+    /proc tells them (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return maps, resident
+
+
+def release_if_large():
+    """`release_memory()` where the process holds more than `MAX_MAPS` memory maps
+    or `MAX_RESIDENT` bytes, or where its size cannot be read."""
+    size = _process_size()
+    if size is None or size[0] > MAX_MAPS or size[1] > MAX_RESIDENT:
+        release_memory()
 
 
 def release_memory():

@@ -176,7 +176,7 @@ def _default_literals(path: str):
 
 def test_no_default_literal_is_written_twice():
     """Every default of the model and its training is decided once, in
-    `cnftrace/_defaults.py` (issue 46): the same name with the same number as its
+    `cnftrace/_defaults.py`: the same name with the same number as its
     default in two places means two places decide it, and they drift apart."""
     seen: dict[tuple, list[str]] = {}
     for path in MODULES:

@@ -65,7 +65,7 @@ NFE (network evaluations, each with the divergence) per iteration:
   cotangent's jump); that evaluation's result is never read, and it is not
   counted.
 
-`tests/test_bench_tfp.py` checks both counts against a counter on every call of
+`tests/bench/test_bench_tfp.py` checks both counts against a counter on every call of
 the field.
 """
 
