@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# `--no-compile`: Python compiles the modules a run imports on first use, instead of
+# pip compiling every module of every package at install (half the install's time).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
 	touch $(STAMP)
 
 demo: venv
