@@ -1,26 +1,8 @@
 """Targets known by their energy: Boltzmann densities `p(x) = exp(-E(x)) / Z` to train
 toward with [`ReverseKL`][cnftrace.ReverseKL] and to weigh samples against, each
-with a sampler for reference samples.
-
-- `mixture2d`: a 2-D mixture of four Gaussians of unequal mass whose normaliser is
-    known exactly (`log Z = log 3`), with exact samples.
-- `dw4`: four particles in 2-D with a double-well pair potential (Köhler, Klein and
-    Noé, ICML 2020): `E = sum_{i<j} a (d_ij - d0)^4 + b (d_ij - d0)^2 + c` with
-    `a = 0.9, b = -4, c = 0, d0 = 4` at temperature 1, the parameters of bgflow's
-    `MultiDoubleWellPotential` as the DW4 experiments of Garcia Satorras et al.
-    (2021) and Klein et al. (2023) use it.
-- `lj13`: a cluster of 13 Lennard-Jones particles in 3-D held together by a harmonic
-    trap on the centre of mass (Köhler et al. 2020): `E = sum_{i<j} eps ((rm /
-    d_ij)^12 - 2 (rm / d_ij)^6) + 1/2 sum_i |x_i - mean(x)|^2` with `eps = rm = 1`, at
-    temperature 1 (bgflow's `LennardJonesPotential` with `oscillator_scale=1`).
-
-The particle systems' energies depend only on distances, so their densities live on
-the positions whose centre of mass is zero (see
-[`MeanFreeNormal`][cnftrace.MeanFreeNormal]); their samples are drawn there, and
-their normalisers are unknown. Their reference samples come from a seeded
-random-walk Metropolis sampler
-([`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis]) run on many
-chains in parallel: the same key gives the same samples.
+with a sampler for reference samples (exact for `mixture2d`; a seeded replica-exchange
+Metropolis run for the particle systems `dw4` and `lj13`, whose densities live on the
+positions with zero centre of mass).
 """
 
 import abc
@@ -34,11 +16,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from equinox import AbstractVar
-from jax.scipy.special import logsumexp
 from jaxtyping import Array, Float
 
 from .._checks import check_int, check_key, check_positive
 from .._custom_types import Key
+from ._known import mixture_log_prob, mixture_sample
 
 # Metropolis chains' steps discarded at the start and between kept samples.
 _BURN_IN = 2000
@@ -116,18 +98,7 @@ class _Mixture2D(EnergyTarget):
 
     def energy(self, x):
         x = self._checked(x)
-        diff = x[:, None, :] - self.means.astype(x.dtype)[None]
-        chol = self.cholesky.astype(x.dtype)
-
-        def solve(lower, rows):
-            return jax.scipy.linalg.solve_triangular(lower, rows.T, lower=True).T
-
-        white = jax.vmap(solve, in_axes=(0, 1), out_axes=1)(chol, diff)
-        log_det = jnp.sum(jnp.log(jnp.diagonal(chol, axis1=1, axis2=2)), axis=1)
-        log_n = (
-            -0.5 * jnp.sum(white**2, axis=-1) - log_det[None] - math.log(2 * math.pi)
-        )
-        return -logsumexp(log_n + self.log_masses.astype(x.dtype)[None], axis=1)
+        return -mixture_log_prob(x, self.log_masses, self.means, self.cholesky)
 
     log_normaliser: float = eqx.field(static=True)
 
@@ -139,11 +110,7 @@ class _Mixture2D(EnergyTarget):
         check_key("key", key)
         check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else dtype
-        which_key, noise_key = jr.split(key)
-        which = jr.categorical(which_key, self.log_masses, shape=(n,))
-        eps = jr.normal(noise_key, (n, 2), dtype)
-        chol = self.cholesky.astype(dtype)[which]
-        return self.means.astype(dtype)[which] + jnp.einsum("nij,nj->ni", chol, eps)
+        return mixture_sample(key, n, dtype, self.log_masses, self.means, self.cholesky)
 
 
 def mixture_2d() -> EnergyTarget:
