@@ -1,23 +1,13 @@
-"""Sketch-based trace estimators: Hutch++ and XTrace.
+"""Sketch-based trace estimators: Hutch++ (Meyer, Musco, Musco and Woodruff, 2021)
+and XTrace (Epperly, Tropp and Webber, 2024).
 
-Both spend part of a budget of matrix-vector products on a sketch `Q`, an orthonormal
-basis of `A Omega` for random test vectors `Omega`, take the trace of `A` on `span(Q)`
-exactly and estimate only the remainder with Hutchinson probes. When `A` has a few
-large eigenvalues (or singular values) and a small tail, the remainder is small and
-so is the variance, far below that of [`Hutchinson`][cnftrace.Hutchinson] at the same
-cost. On a flat spectrum the sketch captures little and they are noisier than
-Hutchinson, which spends its whole budget on probes.
-
-- Hutch++ (Meyer, Musco, Musco and Woodruff, 2021): one sketch, one set of probes.
-- XTrace (Epperly, Tropp and Webber, 2024): every test vector is used both for the
-    sketch and as a probe, with the sketch of the *other* vectors (leave one out), and
-    the `m` resulting unbiased estimates are averaged.
-
+Both take the trace of `A` exactly on a sketch, the span of `A Omega` for random
+test vectors `Omega`, and estimate only the remainder with probes, so their variance
+is far below [`Hutchinson`][cnftrace.Hutchinson]'s when the spectrum decays fast.
 Both reduce to one function of a batched matrix-vector product
 `mv: (k, n) -> (k, n)` acting on rows, shared by [`cnftrace.trace`][cnftrace.trace]
 (on a lineax operator) and `estimate` (on a Jacobian, through `jax.linearize`).
-Only real operators are supported.
-"""
+Only real operators are supported."""
 
 import abc
 import math

@@ -204,11 +204,7 @@ class AbstractFlow(eqx.Module):
         The log-density, a scalar or shape `(n,)`; with `return_stats`, a pair
         `(log_prob, stats)`.
         """
-        x, unbatched = validate_input(x, self.event_shape, "x")
-        _check_batch_fits(x, "x")
-        context = check_context(
-            context, self.context_dim, x.shape[0], unbatched=unbatched
-        )
+        x, unbatched, context = self._checked(x, "x", context)
         need_key(key, self.estimators())
         out, stats = log_prob_program(self, x, key, context, False)
         out = raise_on_failure(out[0] if unbatched else out, stats)
@@ -260,19 +256,8 @@ class AbstractFlow(eqx.Module):
         checked (`x` must be a batch `(n, *event_shape)`, `context` one row per
         sample) and a failed solve does not raise: the statistics' `result` says
         so, for the caller to check. It is `base.log_prob(z) + log_det` of
-        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, so every flow
-        has it by defining `transform`.
-
-        **Arguments:**
-
-        - `x`: a batch of shape `(n, *event_shape)`.
-        - `key`: a PRNG key for a stochastic estimator's probes (`None` for the
-            exact trace).
-        - `counter`: as in [`transform`][cnftrace.AbstractFlow.transform]: a float
-            scalar whose gradient counts the backward evaluations.
-        - `context`: for a conditional flow, one context row per sample.
-        - `regularize`: also compute RNODE's
-            [`Regularization`][cnftrace.Regularization] integrals.
+        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, with its
+        arguments (`key` is `None` for the exact trace).
 
         **Returns:**
 
@@ -463,22 +448,24 @@ class AbstractFlow(eqx.Module):
         )
         return n, dtype
 
-    def _map(self, x, inverse, context, return_stats, name):
+    def _checked(self, x, name, context):
+        """`(x, unbatched, context)`: `x` checked and made a batch that one solve can
+        hold, and `context` checked against it."""
         x, unbatched = validate_input(x, self.event_shape, name)
         _check_batch_fits(x, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
+        return x, unbatched, context
+
+    def _map(self, x, inverse, context, return_stats, name):
+        x, unbatched, context = self._checked(x, name, context)
         y, _, stats = transform_program(self, x, inverse, False, None, context)
         y = raise_on_failure(y[0] if unbatched else y, stats)
         return (y, stats) if return_stats else y
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
-        x, unbatched = validate_input(x, self.event_shape, name)
-        _check_batch_fits(x, name)
-        context = check_context(
-            context, self.context_dim, x.shape[0], unbatched=unbatched
-        )
+        x, unbatched, context = self._checked(x, name, context)
         need_key(key, self.estimators())
         y, log_det, stats = transform_program(self, x, inverse, True, key, context)
         if unbatched:

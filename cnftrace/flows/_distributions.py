@@ -1,19 +1,12 @@
 """Base distributions: the density at the base end of a flow (`t1`).
 
-A flow maps data `x` to `z` at its base and scores `log p(x) = log q(z) + log_det`,
-where `q` is its base. The standard normal is the default. A base that already knows
-the data (a Gaussian mixture fitted to the training rows, or heavy Student-t tails) lets
-the vector field start at zero, so that the flow starts as the classical model and
-training only has to improve on it. A CNF's map is Lipschitz over a finite time span,
-and a Lipschitz map of a light-tailed base keeps light tails (Jaini et al., ICML 2020):
-heavy tails have to come from the base.
-
-Every base is an equinox Module with `log_prob` and `sample`. Its parameters are part
-of the flow: `fit` trains them with the field's unless `trainable=False`, checkpoints
-save them and `cnftrace.load` restores them. Parameters are stored unconstrained
-(log-scales, a Cholesky factor with a log-diagonal, logits, degrees of freedom through a
-softplus), so that any update of the optimiser leaves a valid distribution.
-"""
+A base that already knows the data (a Gaussian mixture fitted to the training rows,
+or heavy Student-t tails) lets the vector field start at zero, so that the flow starts
+as the classical model; heavy tails have to come from the base, since a Lipschitz map
+of a light-tailed base keeps light tails (Jaini et al., ICML 2020). Parameters are
+stored unconstrained (log-scales, a Cholesky factor with a log-diagonal, logits,
+degrees of freedom through a softplus), so that any optimiser update leaves a valid
+distribution."""
 
 import abc
 import math

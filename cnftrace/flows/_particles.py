@@ -1,18 +1,8 @@
 """The base of a flow over particle systems: a standard normal on the positions whose
-centre of mass is zero.
-
-The energy of `n` identical particles in `d` dimensions (a cluster of atoms, say) does
-not change when the system is translated, rotated or its particles relabelled, so its
-Boltzmann density `exp(-E(x))` is not normalisable over all of `R^(n d)`: translations
-make its integral infinite. The density is defined on the positions with their centre
-of mass at the origin, a linear subspace of dimension `(n - 1) d`, and a flow for it
-lives there too: a vector field that is translation invariant and returns velocities
-whose mean over the particles is zero (such as [`EGNNField`][cnftrace.EGNNField])
-keeps a sample in the subspace, and its divergence in `R^(n d)` equals its divergence
-within the subspace (the field has no component out of the subspace and does not vary
-along the direction of translations), so `log_prob` is the density with respect to
-the subspace's own `(n - 1) d`-dimensional volume.
-"""
+centre of mass is zero. A Boltzmann density of identical particles is invariant to
+translations, so it is only normalisable on that subspace, and a translation-invariant,
+mean-free vector field (such as [`EGNNField`][cnftrace.EGNNField]) keeps a flow in it,
+with its divergence in `R^(n d)` equal to that within the subspace."""
 
 import math
 

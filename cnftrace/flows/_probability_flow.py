@@ -1,24 +1,6 @@
 """The likelihood of a diffusion or flow-matching model trained elsewhere, through
-its probability-flow ODE.
-
-A model of any of four kinds gives the ODE whose flow carries the data distribution
-to the prior, with the marginal densities of the training process at every time:
-
-- a velocity model `v(t, x)` (flow matching, rectified flow, stochastic
-    interpolants): `dx/dt = v(t, x)`;
-- a score model `s(t, x) = grad log p_t(x)` with its schedule
-    `x_t = alpha(t) x_0 + sigma(t) e`: `dx/dt = f x - g^2 s / 2`, with
-    `f = alpha'/alpha` and `g^2 = 2 sigma sigma' - 2 f sigma^2`;
-- a noise-prediction model `eps(t, x)`, whose score is `-eps / sigma`:
-    `dx/dt = f x + (sigma' - f sigma) eps`;
-- a data-prediction model `x0(t, x)`, whose noise is `(x - alpha x0) / sigma`:
-    `dx/dt = (sigma'/sigma) x + (alpha' - alpha sigma'/sigma) x0`.
-
-`ProbabilityFlow` turns that ODE into a [`CNF`][cnftrace.CNF] block over the prior at
-the noise end, so that every estimator, solver, adjoint and method of the flows
-applies unchanged. Its time runs from the data end (plus the truncation `eps`) to the
-noise end, whatever the model's own convention.
-"""
+its probability-flow ODE, as a [`CNF`][cnftrace.CNF] block over the prior at the
+noise end (see [`ProbabilityFlow`][cnftrace.ProbabilityFlow])."""
 
 import math
 from typing import Literal
@@ -439,7 +421,8 @@ class ProbabilityFlow(AbstractFlow):
         A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
         """
         x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize=False)
-        values, stats = self._solve_repeats(x, key, repeats)
+        logp, stats = self._solve_tiled(_tile(x, repeats), key)
+        values = logp.reshape(repeats, -1)
         return make_estimate(values, stats, self, "nats", repeats, stochastic)
 
     def bits_per_dim(
@@ -527,7 +510,7 @@ class ProbabilityFlow(AbstractFlow):
         if data_range is not None:
             x = check_in_range(x, data_range)
         probe_key = key
-        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
+        tiled = _tile(x, repeats)
         if dequantize:
             noise_key, probe_key = jr.split(key)
             tiled = tiled + bin_width * jr.uniform(noise_key, tiled.shape, x.dtype)
@@ -570,7 +553,7 @@ class ProbabilityFlow(AbstractFlow):
         logp, stats = log_prob_program(self, tiled, key, None, False)
         return raise_on_failure(logp, stats), stats
 
-    def _solve_repeats(self, x, key, repeats):
-        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
-        logp, stats = self._solve_tiled(tiled, key)
-        return logp.reshape(repeats, -1), stats
+
+def _tile(x, repeats):
+    """`repeats` copies of the batch `x`, one after the other."""
+    return jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))

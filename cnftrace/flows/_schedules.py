@@ -1,15 +1,6 @@
-"""Noise schedules of diffusion models: the marginal `x_t = alpha(t) x_0 + sigma(t) e`.
-
-A diffusion model trained elsewhere noised its data `x_0` as `x_t = alpha(t) x_0 +
-sigma(t) e`, `e ~ N(0, I)`, for `t` in `[0, T]` (data at 0, noise at `T`). Its
-probability-flow ODE needs only `alpha`, `sigma` and their time derivatives: the SDE's
-drift `f(t) x` and diffusion `g(t)` follow from them,
-
-    f(t) = alpha'(t) / alpha(t),     g(t)^2 = d sigma^2 / dt - 2 f(t) sigma(t)^2,
-
-so a schedule is a small Module with `alpha(t)`, `sigma(t)` and its end time `T`. The
-derivatives come from JAX's forward mode unless a schedule gives them in closed form.
-"""
+"""Noise schedules of diffusion models, `x_t = alpha(t) x_0 + sigma(t) e`: what a
+probability-flow ODE needs of a diffusion model (see
+[`AbstractSchedule`][cnftrace.AbstractSchedule])."""
 
 import abc
 import math

@@ -1,15 +1,5 @@
 """A flow over data in its own units: a per-coordinate standardisation in front of a
-flow trained on the standardised data.
-
-`StandardizedFlow(flow, Standardization(mean, scale))` models `x` through
-`y = (x - mean) / scale`, so
-
-    log p(x) = log p_flow(y) - sum(log scale)
-
-and its samples are the flow's samples mapped back, `x = mean + scale * y`. The
-command line trains `flow` on standardised data and `cnftrace.load` hands back this
-wrapper, so that `log_prob` and `sample` work in the data's units.
-"""
+flow trained on the standardised data."""
 
 import equinox as eqx
 import jax

@@ -1,17 +1,6 @@
 """Training toward a density known only up to its normaliser: the reverse KL
 divergence, estimated on samples drawn through the flow, optionally mixed with
-maximum likelihood on samples that exist.
-
-For a flow `q` and a target `p(x) = exp(log_target(x)) / Z`,
-
-    KL(q || p) = E_q[log q(x) - log_target(x)] + log Z.
-
-`log Z` does not depend on the flow, so the loss is `E_q[log q(x) - log_target(x)]`
-on a batch `x = T(z)` of base draws `z` mapped through the inverse flow, with `log q`
-from the same solve. Its gradient is the reparameterisation gradient through the
-solve's checkpointed adjoint. The divergence inside `log q` may be a Hutchinson
-estimate: the loss is linear in it, so the gradient stays unbiased.
-"""
+maximum likelihood on samples that exist."""
 
 from typing import Any
 
