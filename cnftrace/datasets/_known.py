@@ -244,10 +244,6 @@ def rotated_product(dim: int, *, seed: int = 0) -> KnownDensity:
     - `dim`: the dimension, an int >= 1.
     - `seed`: picks the rotation.
 
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
-
     !!! example
 
         ```python
@@ -271,10 +267,6 @@ def gaussian_mixture(dim: int, components: int = 6, *, seed: int = 0) -> KnownDe
     - `dim`: the dimension, an int >= 1.
     - `components`: the number of Gaussians, an int >= 1.
     - `seed`: picks the means, covariances and weights.
-
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
 
     !!! example
 
@@ -334,10 +326,6 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
     - `dim`: the dimension, an int >= 2.
     - `seed`: picks the warps and the rotation.
 
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
-
     !!! example
 
         ```python
@@ -391,10 +379,6 @@ def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
 
     - `dim`: the dimension, an int >= 1.
     - `seed`: picks the rotation.
-
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
 
     !!! example
 

@@ -120,10 +120,6 @@ def mixture_2d() -> EnergyTarget:
     `log Z = log 3`. Its samples are exact. The target holds the modes' `means` and
     the logs of their masses, `log_masses`.
 
-    **Returns:**
-
-    An [`EnergyTarget`][cnftrace.datasets.EnergyTarget].
-
     !!! example
 
         ```python
@@ -265,10 +261,6 @@ def dw4() -> ParticleEnergy:
     Each pair prefers a distance near 2.5 or near 5.5, so the density has many
     modes. Samples have shape `(4, 2)`.
 
-    **Returns:**
-
-    A [`ParticleEnergy`][cnftrace.datasets.ParticleEnergy].
-
     !!! example
 
         ```python
@@ -288,10 +280,6 @@ def lj13() -> ParticleEnergy:
     per pair with `eps = rm = 1`, in a harmonic trap `1/2 sum_i |x_i - mean(x)|^2`
     (Köhler et al. 2020; bgflow's `LennardJonesPotential`), temperature 1. Samples
     have shape `(13, 3)`.
-
-    **Returns:**
-
-    A [`ParticleEnergy`][cnftrace.datasets.ParticleEnergy].
 
     !!! example
 

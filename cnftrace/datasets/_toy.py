@@ -255,10 +255,6 @@ def toy_log_prob(name: str, x: Float[Array, "n 2"]) -> Float[Array, " n"]:
         `"checkerboard"` (`-log 32` on the black squares, `-inf` elsewhere).
     - `x`: the points, an array of shape `(n, 2)`.
 
-    **Returns:**
-
-    The log-densities, an array of shape `(n,)`.
-
     Raises `ValueError` for another `name`, or for `x` not of shape `(n, 2)`.
 
     !!! example
