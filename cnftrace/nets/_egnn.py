@@ -24,7 +24,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import check_int
+from .._checks import check_activation, check_int
 from .._custom_types import Key
 from .._defaults import EGNN_DEPTH, EGNN_WIDTH, FREQS
 
@@ -166,11 +166,7 @@ class EGNNField(eqx.Module):
         check_int("width", width)
         check_int("depth", depth)
         check_int("freqs", freqs, 0)
-        if not callable(activation):
-            raise TypeError(
-                f"`activation` must be a function such as `jax.nn.silu`; got "
-                f"{activation!r}."
-            )
+        check_activation(activation)
         dtype = jnp.result_type(float) if dtype is None else dtype
         embed_key, *layer_keys = jr.split(key, depth + 1)
         self.embedding = eqx.nn.Linear(1 + 2 * freqs, width, key=embed_key, dtype=dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
-from .._checks import check_int
+from .._checks import check_activation, check_int
 from .._custom_types import Key
 from .._defaults import CONCATSQUASH_WIDTH, DEPTH, FREQS, default_width
 
@@ -266,11 +266,7 @@ class MLPField(eqx.Module):
             )
         )
         width = default_width(dim) if width is None else check_int("width", width)
-        if not callable(activation):
-            raise TypeError(
-                f"`activation` must be a function such as `jax.nn.tanh`; got "
-                f"{activation!r}."
-            )
+        check_activation(activation)
         dtype = jnp.result_type(float) if dtype is None else dtype
         mlp = eqx.nn.MLP(
             dim + 2 * freqs + context_dim,
