@@ -1,10 +1,4 @@
-"""The base class of trace estimators, and what every estimator shares.
-
-An estimator turns a linear map `v -> J v` (a Jacobian-vector product, or a lineax
-operator's `mv`) into its trace. Probes are drawn *separately* from their use (`draw`
-then `estimate`), so that a CNF can draw them once per ODE solve and reuse them at
-every evaluation of the vector field.
-"""
+"""The base class of trace estimators, and what every estimator shares."""
 
 import abc
 from collections.abc import Callable

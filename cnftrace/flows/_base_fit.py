@@ -182,8 +182,7 @@ def _fit_mixture(train, max_components, covariance, seed):
     best, scores = None, {}
     top = max(1, min(max_components, train.shape[0] // 2))
     # One BLAS thread: EM on a table's rows is small work, and BLAS threads that
-    # wait by spinning take 20 times longer on a machine whose cores are busy (a
-    # 300-row fit: 62 s against 2.6 s beside two other processes on two cores).
+    # wait by spinning take many times longer on a machine whose cores are busy.
     with threadpool_limits(1):
         for k in range(1, top + 1):
             fitted = SklearnMixture(
@@ -299,12 +298,11 @@ def _fit_t_mixture(fitted, train):
     covs = np.asarray(fitted.covariances_, np.float64)
     if diagonal:
         covs = np.stack([np.diag(c) for c in covs])
-    chols = np.linalg.cholesky(covs)
-    scores = []
-    for df in _DF_GRID:
-        logp, _ = _t_log_density(train, means, chols, np.full(len(weights), df))
-        scores.append(np.mean(special.logsumexp(logp + np.log(weights), axis=1)))
-    start = np.full(len(weights), _DF_GRID[int(np.argmax(scores))])
+    nll = [
+        _t_mixture_nll(train, (weights, means, covs, np.full(len(weights), df)))
+        for df in _DF_GRID
+    ]
+    start = np.full(len(weights), _DF_GRID[int(np.argmin(nll))])
     weights, means, covs, df = _t_mixture_em(
         train, weights, means, covs, start, diagonal
     )

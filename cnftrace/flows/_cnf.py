@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import check_int, check_positive, is_int, is_number
+from .._checks import check_int, check_positive, is_number
 from .._custom_types import VectorField
 from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL, T1
 from ..estimators import AbstractEstimator, Exact
@@ -29,7 +29,7 @@ from ..ode import (
     state_and_log_density_norm,
 )
 from ._base import AbstractFlow
-from ._distributions import AbstractBase, check_base
+from ._distributions import AbstractBase, check_base, event_shape_of
 from ._inputs import check_span
 
 
@@ -136,16 +136,7 @@ class CNF(AbstractFlow):
                 "`vector_field` must be callable as `f(t, z, args)`; got "
                 f"{type(vector_field).__name__}."
             )
-        if is_int(dim):
-            shape = (int(dim),)
-        elif isinstance(dim, tuple) and all(is_int(s) for s in dim):
-            shape = tuple(int(s) for s in dim)
-        else:
-            raise ValueError(
-                f"`dim` must be a positive int (or a tuple of them); got {dim!r}."
-            )
-        if len(shape) == 0 or any(s < 1 for s in shape):
-            raise ValueError(f"`dim` must be positive; got {dim!r}.")
+        shape = event_shape_of(dim, "dim")
         check_span(t0, t1)
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")

@@ -120,7 +120,7 @@ class StandardNormal(AbstractBase):
     trainable: bool = eqx.field(default=False, static=True)
 
     def __init__(self, shape: int | tuple[int, ...]):
-        self.shape = _event_shape(shape)
+        self.shape = event_shape_of(shape)
         self.trainable = False
 
     def _log_prob(self, z):
@@ -162,15 +162,17 @@ def inverse_softplus(y) -> np.ndarray:
         return np.where(y > 30, y, np.log(np.expm1(np.minimum(y, 30))))
 
 
-def _event_shape(shape) -> tuple[int, ...]:
-    if is_int(shape):
-        shape = (int(shape),)
+def event_shape_of(value, name: str = "shape") -> tuple[int, ...]:
+    """The shape of one sample given as a positive int `d` or a tuple of them."""
+    shape = (value,) if is_int(value) else value
     if (
         not isinstance(shape, tuple)
         or not shape
         or not all(is_int(s) and s >= 1 for s in shape)
     ):
-        raise ValueError(f"`shape` must be a positive int or tuple; got {shape!r}.")
+        raise ValueError(
+            f"`{name}` must be a positive int or a tuple of them; got {value!r}."
+        )
     return tuple(int(s) for s in shape)
 
 
@@ -248,7 +250,7 @@ class Normal(AbstractBase):
         _check_finite("loc", loc)
         _check_positive_finite("scale", scale)
         dtype = _dtype(dtype)
-        self.shape = _event_shape(shape)
+        self.shape = event_shape_of(shape)
         self.loc = jnp.asarray(loc, dtype)
         self.log_scale = jnp.asarray(np.log(scale), dtype)
         self.trainable = _check_bool("trainable", trainable)

@@ -177,10 +177,6 @@ def flow_matching_loss(
         independent coupling: an OT pairing across contexts would bias each
         context's base distribution).
 
-    **Returns:**
-
-    The loss, a scalar.
-
     !!! example
 
         ```python

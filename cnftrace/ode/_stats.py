@@ -21,8 +21,8 @@ class SolveStats(eqx.Module):
         solvers, plus the first evaluation) and one plain evaluation for the automatic
         initial step (two for solvers that are not first-same-as-last, and with
         `BacksolveAdjoint`, where also each rejection of the very first step costs an
-        uncounted evaluation); the tests check it against a count of real
-        evaluations. It is `-1` for solvers whose cost per step is not known.
+        uncounted evaluation). It is `-1` for solvers whose cost per step is not
+        known.
     - `result`: how each solve ended, a `diffrax.RESULTS` (`successful`, or
         `max_steps_reached` when the solver hit the block's `max_steps`, ...).
 
