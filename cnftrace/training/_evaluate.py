@@ -48,9 +48,7 @@ class NLL(eqx.Module):
 @eqx.filter_jit
 def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     """The log-density of a checked batch, its evaluations per solve and the first
-    failed solve's result: jitted once at module level so that repeated evaluations
-    (every chunk, every validation during `fit`) reuse the compiled code. It holds
-    no host callback (the caller checks the input and the result on the host), so
+    failed solve's result, with no host callback (the caller checks them), so that
     JAX's persistent compilation cache can store it."""
     logp, stats = model.batch_log_prob(x, key, context=context)
     return logp, stats.total_nfe, stats.first_failure()
@@ -147,22 +145,10 @@ def evaluate_nll(
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
 ) -> NLL:
-    """The test negative log-likelihood of `x` in nats, with its standard error.
-
-    **Arguments:**
-
-    - `flow`: any cnftrace flow.
-    - `x`: at least two samples, shape `(n, *event_shape)`.
-    - `context`: one row per sample, for a conditional flow (the NLL is then that of
-        `x` given its context).
-    - `batch_size`: samples per solve; bounds the memory.
-    - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default. Pass a
-        stochastic one (and a `key`) for large dimensions; its noise is then part of
-        the reported standard error.
-    - `key`: the PRNG key of a stochastic estimator.
-
-    The log-densities come from
-    [`log_prob_batched`][cnftrace.log_prob_batched], chunk by chunk.
+    """The test negative log-likelihood of `x` (at least two samples) in nats, with
+    its standard error, from the log-densities of
+    [`log_prob_batched`][cnftrace.log_prob_batched], whose arguments it takes (a
+    stochastic estimator's noise is then part of the standard error).
 
     **Returns:**
 
