@@ -20,37 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import is_int
-from ._base import AbstractEstimator
+from ._base import AbstractEstimator, check_settings, need_probe_key
 from ._hutchinson import Hutchinson
 
 _SAMPLERS = ("rademacher", "gaussian")
 
 BatchedMatvec = Callable[[Float[Array, "k n"]], Float[Array, "k n"]]
 """`mv(V)` returns the rows `A v` for the rows `v` of `V`."""
-
-
-def _checked(
-    num_matvecs, sampler, *, multiple: int, minimum: int, name: str
-) -> tuple[int, str]:
-    """Validates an estimator's `num_matvecs` and `sampler` and returns them."""
-    # Checked before assignment: a JAX array must never become a static field.
-    if not is_int(num_matvecs):
-        raise ValueError(
-            f"`num_matvecs` of `{name}` must be a Python int (it fixes array shapes, "
-            "so it cannot be a JAX array or a float); got "
-            f"{num_matvecs!r} of type {type(num_matvecs).__name__}. "
-            f"Use e.g. `{name}(num_matvecs={2 * minimum})`."
-        )
-    if num_matvecs < minimum or num_matvecs % multiple != 0:
-        lower = max(minimum, multiple * (num_matvecs // multiple))
-        raise ValueError(
-            f"`num_matvecs` of `{name}` must be a multiple of {multiple} and at "
-            f"least {minimum}; got {num_matvecs}. Use e.g. `num_matvecs={lower}`."
-        )
-    if sampler not in _SAMPLERS:
-        raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
-    return int(num_matvecs), sampler  # a NumPy integer as a Python one
 
 
 def _hutchpp_trace(mv: BatchedMatvec, probes: Float[Array, "2k n"]) -> Array:
@@ -188,12 +164,7 @@ class AbstractSketchEstimator(AbstractEstimator):
             )
 
     def draw(self, key, shape, dtype, *, event_ndim: int = 1):
-        if key is None:
-            raise ValueError(
-                f"`{type(self).__name__}` draws random test vectors and needs a PRNG "
-                "key; pass `key=jax.random.key(seed)`, or use `cnftrace.Exact()` for "
-                "the exact trace."
-            )
+        need_probe_key(self, key, "random test vectors")
         shape = tuple(shape)
         self._check_size(math.prod(shape[len(shape) - event_ndim :]))
         # The same distributions as Hutchinson's probes, `num_vectors` per sample.
@@ -299,8 +270,8 @@ class HutchPlusPlus(AbstractSketchEstimator):
         num_matvecs: int,
         sampler: Literal["rademacher", "gaussian"] = "gaussian",
     ):
-        self.num_matvecs, self.sampler = _checked(
-            num_matvecs, sampler, multiple=3, minimum=3, name="HutchPlusPlus"
+        self.num_matvecs, self.sampler = check_settings(
+            "HutchPlusPlus", "num_matvecs", num_matvecs, sampler, _SAMPLERS, 3, 3
         )
 
     @property
@@ -369,8 +340,8 @@ class XTrace(AbstractSketchEstimator):
         num_matvecs: int,
         sampler: Literal["rademacher", "gaussian"] = "gaussian",
     ):
-        self.num_matvecs, self.sampler = _checked(
-            num_matvecs, sampler, multiple=2, minimum=4, name="XTrace"
+        self.num_matvecs, self.sampler = check_settings(
+            "XTrace", "num_matvecs", num_matvecs, sampler, _SAMPLERS, 4, 2
         )
 
     @property
