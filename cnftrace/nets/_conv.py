@@ -117,10 +117,7 @@ class ConvField(eqx.Module):
             layers[-1] = eqx.tree_at(
                 lambda m: (m.conv.weight, m.conv.bias),
                 layers[-1],
-                (
-                    jnp.zeros_like(layers[-1].conv.weight),
-                    jnp.zeros_like(layers[-1].conv.bias),
-                ),
+                replace_fn=jnp.zeros_like,
             )
         self.layers = tuple(layers)
         self.activation = activation

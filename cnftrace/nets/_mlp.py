@@ -166,15 +166,10 @@ class ConcatSquashMLP(eqx.Module):
             for i, o, k in zip(sizes[:-1], sizes[1:], keys)
         ]
         if zero_last:
-            last = layers[-1]
             layers[-1] = eqx.tree_at(
                 lambda m: (m.linear.weight, m.linear.bias, m.shift_weight),
-                last,
-                (
-                    jnp.zeros_like(last.linear.weight),
-                    jnp.zeros_like(last.linear.bias),
-                    jnp.zeros_like(last.shift_weight),
-                ),
+                layers[-1],
+                replace_fn=jnp.zeros_like,
             )
         self.layers = tuple(layers)
         self.activation = activation
@@ -278,11 +273,10 @@ class MLPField(eqx.Module):
             dtype=dtype,
         )
         if zero_last:
-            last = mlp.layers[-1]
             mlp = eqx.tree_at(
                 lambda m: (m.layers[-1].weight, m.layers[-1].bias),
                 mlp,
-                (jnp.zeros_like(last.weight), jnp.zeros_like(last.bias)),
+                replace_fn=jnp.zeros_like,
             )
         self.mlp = mlp
         self.dim = dim
