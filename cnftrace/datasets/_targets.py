@@ -155,9 +155,7 @@ class ParticleEnergy(EnergyTarget):
 
     `sample(key, n, *, chains, burn_in, thin, temperatures)` draws reference
     samples with [`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis]
-    (centre of mass fixed at zero, replica exchange over `temperatures`): `chains`
-    chains from spread-out random positions, each run `burn_in` steps while its
-    step sizes adapt, then one sample every `thin` steps.
+    (centre of mass fixed at zero) on `chains` chains from spread-out positions.
     """
 
     name: AbstractVar[str]
@@ -321,10 +319,9 @@ def energy_target(name: str) -> EnergyTarget:
 def _metropolis_run(
     log_prob, x0, key, samples, burn_in, thin, step_size, accept, mean_free, betas
 ):
-    """Random-walk Metropolis on `len(betas)` copies of the chains `x0`, copy `k`
-    at inverse temperature `betas[k]`, with a swap between neighbouring
-    temperatures proposed after every step (even pairs, then odd pairs). Returns
-    the kept states of the copy at `betas[0]` and its acceptance rate."""
+    """`random_walk_metropolis` at the inverse temperatures `betas` (swaps of even
+    pairs, then odd pairs, after every step): the kept states of the copy at
+    `betas[0]` and its acceptance rate."""
     levels, chains = len(betas), x0.shape[0]
     event = x0.shape[1:]
     shape = (levels * chains,)

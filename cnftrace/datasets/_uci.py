@@ -195,11 +195,9 @@ _LOADERS: dict[str, Callable] = {
 
 
 def load_uci(name: str, root: str | os.PathLike, dtype=np.float64) -> Splits:
-    """Loads one of the five tabular sets of MAF and FFJORD, preprocessed as MAF
-    does (see the module's notes). Nothing is downloaded.
-
-    The splits are MAF's: test is the last `int(0.1 n)` rows, and val is the last
-    `int(0.1 m)` of the other `m`. A zero standard deviation is replaced by 1.
+    """Loads one of the five tabular sets of MAF and FFJORD, preprocessed and split
+    as MAF does (see the module's notes: test is the last `int(0.1 n)` rows, val the
+    last `int(0.1 m)` of the other `m`). Nothing is downloaded.
 
     **Arguments:**
 

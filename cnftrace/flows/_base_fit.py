@@ -1,13 +1,7 @@
-"""`fit_base`: a base distribution fitted to training rows by the classical methods,
-so that a flow whose field starts at zero starts as the classical model.
-
-A Gaussian mixture is fitted by scikit-learn's EM with the number of components chosen
-by BIC; Student-t tails by the EM algorithm of Peel and McLachlan ("Robust mixture
-modelling using the t distribution", Statistics and Computing, 2000) started from that
-mixture; `"auto"` keeps the candidate with the better validation NLL. All of it runs in
-float64 NumPy on the host with no compiling: seconds at most, next to the flow's
-minutes of training.
-"""
+"""`fit_base`: a base distribution fitted to training rows by the classical methods
+(scikit-learn's EM with BIC for a Gaussian mixture; the EM of Peel and McLachlan,
+"Robust mixture modelling using the t distribution", 2000, for Student-t tails), in
+float64 NumPy on the host."""
 
 import math
 

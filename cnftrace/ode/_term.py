@@ -1,9 +1,4 @@
-"""A diffrax term for the instantaneous change of variables.
-
-For `dz/dt = f(t, z, args)`, the log-density along a trajectory changes as
-`d log p(z(t)) / dt = -tr(df/dz)` (Chen et al. 2018). `CNFTerm` augments any per-sample
-vector field `f` with that second component, for a batch of samples at once.
-"""
+"""A diffrax term for the instantaneous change of variables (see `CNFTerm`)."""
 
 from collections.abc import Callable
 from typing import Any

@@ -1,18 +1,5 @@
-"""JAX's persistent compilation cache, on for the command line, the demo and the tests.
-
-A new process otherwise compiles its training step, its `log_prob` and its sampler
-again (seconds each on a CPU). With the cache on, the first process writes each
-compiled program to disk and every later one with the same program (same flow
-structure, shapes, dtypes, jax and XLA versions) loads it instead.
-
-JAX reads an entry (`<program>-<key>-cache`, zlib- or zstd-compressed, beside its
-`-atime` file) without asking what kind of file it is, and nothing in it names its
-key: a FIFO hangs the read, a link to /dev/zero reads until memory runs out, and an
-entry copied over another key's file is run in its place (with other numbers inside
-and the same inputs, silently). So `enable_compilation_cache` checks the directory
-first, against the SHA-256 of each entry recorded when it was first seen (at the exit
-of the process that wrote it, or at the next start).
-"""
+"""JAX's persistent compilation cache, on for the command line, the demo and the tests,
+with its entries checked before JAX may run them (see `enable_compilation_cache`)."""
 
 import atexit
 import hashlib
