@@ -432,13 +432,10 @@ def read_table(
 
     A `ValueError` names the file, the row (and line) or column, and the fix, for an
     empty file, text where a number should be, a field missing from a line, a header
-    line repeated further down, a missing value (without `drop_missing`; with it,
-    a file whose every row has one), inf, files with different columns, a text
-    file not in UTF-8 (a byte-order mark is dropped; UTF-16 is named), a file whose
-    bytes are of another format than its name says, a spreadsheet (save it as CSV),
-    or a directory; where the lines
-    of a text file look separated by `;` or tabs (a .csv) or commas (a .tsv), its
-    error says so. A text file of `PROGRESS_BYTES` (32 MiB) or more shows the
+    line repeated further down, a missing value (without `drop_missing`), inf, files
+    with different columns, a text file not in UTF-8, a file whose bytes are of
+    another format than its name says (or separated by another character), a
+    spreadsheet, or a directory. A text file of `PROGRESS_BYTES` or more shows the
     progress of its parsing on stderr.
 
     !!! example

@@ -412,17 +412,14 @@ def random_walk_metropolis(
     once, with replica exchange across temperatures, seeded: the same key gives the
     same samples.
 
-    Each chain proposes `x + sigma * e` with `e` standard normal (with its centre of
-    mass removed when `mean_free`, so that particle positions stay in the subspace
-    where it is zero) and accepts with probability `min(1, (p(y) / p(x))^(1/T))`; a
-    proposal whose log-density is not finite is rejected. With several
-    `temperatures`, every chain runs a copy at each (the first, 1, is the target);
-    after every step neighbouring copies propose to exchange their states (the
-    replica-exchange swap, which keeps each copy's distribution), so the hot copies,
-    which cross energy barriers easily, pass what they found down to the target.
-    During the `burn_in` steps each copy's `sigma` adapts towards an `acceptance`
-    rate (Robbins-Monro on `log sigma`); then it is fixed, and one sample of the
-    temperature-1 copy is kept every `thin` steps.
+    Each chain proposes `x + sigma * e` with `e` standard normal and accepts with
+    probability `min(1, (p(y) / p(x))^(1/T))` (a proposal whose log-density is not
+    finite is rejected). With several `temperatures`, every chain runs a copy at
+    each, and neighbouring copies propose to exchange their states after every
+    step, so the hot copies pass what they found down to the target. During the
+    `burn_in` steps each copy's `sigma` adapts towards an `acceptance` rate
+    (Robbins-Monro on `log sigma`); then one sample of the temperature-1 copy is
+    kept every `thin` steps.
 
     **Arguments:**
 
