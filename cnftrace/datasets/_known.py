@@ -312,14 +312,12 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
     "banana" warps and rotated: the constructed density of benchmark B5, non-Gaussian
     in its marginals, with several modes and non-linear dependence.
 
-    The marginals are those of [`rotated_product`][cnftrace.datasets.rotated_product]
-    (two-mode mixture, Gumbel, Laplace, Student-t5, Gamma(2)). Then `max(1, dim //
-    3)` warps `s_j += b (s_i**2 - 1)`, from a light-tailed coordinate `i` (mixture,
-    Gumbel or Laplace) that no warp changes to another coordinate `j`, drawn from
-    `seed` with `b` in [0.4, 0.8] (each has a unit Jacobian determinant), then a random
-    rotation, then a fixed per-coordinate scale that makes every coordinate's
-    variance about 1 (measured once on 100,000 draws; the density is exact for the
-    scale it holds). `log p(x)` undoes each step exactly.
+    The marginals are those of [`rotated_product`][cnftrace.datasets.rotated_product].
+    Then `max(1, dim // 3)` warps `s_j += b (s_i**2 - 1)` (each with a unit Jacobian
+    determinant), from a light-tailed coordinate `i` that no warp changes to another
+    coordinate `j`, with `b` in [0.4, 0.8] drawn from `seed`; then a random rotation,
+    then a fixed per-coordinate scale that makes every variance about 1 (from
+    100,000 draws). `log p(x)` undoes each step exactly.
 
     **Arguments:**
 
@@ -369,11 +367,9 @@ def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
     constructed density of B5's heavy-tailed rows.
 
     The marginals cycle through a two-mode mixture (a Gaussian at -1.8 and, with
-    weight 0.4, a Student-t with 2 degrees of freedom at 1.8: well-separated modes,
-    one of them heavy) and Student-t's with 1.5, 2.5, 3.5 and 5 degrees of freedom,
-    at unit scale (with 1.5 or 2 degrees of freedom there is no variance to
-    standardise by). The rotation (drawn from `seed`) spreads the tails over every
-    coordinate. `log p(x) = sum_i log p_i((R^T x)_i)` exactly.
+    weight 0.4, a Student-t with 2 degrees of freedom at 1.8) and Student-t's with
+    1.5, 2.5, 3.5 and 5 degrees of freedom, at unit scale. The rotation (drawn from
+    `seed`) spreads the tails over every coordinate; `log p(x)` is exact.
 
     **Arguments:**
 

@@ -232,21 +232,18 @@ class HutchPlusPlus(AbstractSketchEstimator):
 
         tr(Q^T A Q) + (1/k) sum_j g_j^T (I - QQ^T) A (I - QQ^T) g_j,
 
-    at a cost of `3k` products with `A` (`A S`, then `A Q` and `A (I - QQ^T) G`
-    together). It is unbiased for any square real `A` (symmetric or not) and exact
-    when `rank(A) <= k`. For a positive semi-definite `A` its standard deviation falls
-    like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.), and it is lowest
-    when the spectrum decays fast. On a flat spectrum it is noisier than Hutchinson
-    with the same budget, which spends all of it on probes.
+    at a cost of `3k` products with `A`. It is unbiased for any square real `A` and
+    exact when `rank(A) <= k`; for a positive semi-definite `A` its standard
+    deviation falls like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.).
+    On a flat spectrum it is noisier than Hutchinson with the same budget.
 
     **Arguments:**
 
     - `num_matvecs`: the budget of matrix-vector products, a static Python `int`, a
         multiple of 3, at least 3, and at most three times the operator's size.
     - `sampler`: `"gaussian"` (default) or `"rademacher"`, for both `S` and `G`.
-        Gaussian sketches have full rank with probability one; Rademacher vectors of
-        a small operator coincide (up to sign) with probability about
-        `k^2 2^-n`, and such a draw has no gradient.
+        Rademacher vectors of a small operator may coincide (up to sign), and such
+        a draw has no gradient.
 
     [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample:
     the sketch, then the probes. Gradients need `A S` of full column rank (JAX
@@ -309,16 +306,10 @@ class XTrace(AbstractSketchEstimator):
     - `sampler`: `"gaussian"` (default) or `"rademacher"` (see
         [`HutchPlusPlus`][cnftrace.HutchPlusPlus] on the choice).
 
-    A rank-deficient `A W` (an operator of rank below `m`, or Rademacher vectors that
-    happen to be linearly dependent) makes `R` singular. Such a draw is detected (a
-    diagonal entry of `R` below `m * eps * max|R_jj|`) and each `P_i` is then built
-    from the singular vectors of `R` without its `i`-th column, so that it still
-    projects onto the span of the other sketch vectors alone: the estimate stays
-    finite and unbiased, and is exact when those span the range of `A` (always, for
-    Gaussian vectors and an operator of rank at most `m - 1`). Gradients need `A W` of
-    full column rank (JAX differentiates the QR decomposition through `R^{-1}`), which
-    holds with probability one for Gaussian vectors and an operator of rank at least
-    `m`.
+    A rank-deficient `A W` makes `R` singular: such a draw is detected and each
+    `P_i` built from the singular vectors of `R` without its `i`-th column, so the
+    estimate stays finite and unbiased. Gradients need `A W` of full column rank
+    (JAX differentiates the QR decomposition through `R^{-1}`).
 
     !!! example
 

@@ -52,23 +52,17 @@ class AbstractFlow(eqx.Module):
     at each block's `t0`, the base at `t1`: `forward` maps data to the base, `inverse`
     and `sample` the other way.
 
-    Every flow says what it holds: `blocks`, its CNF blocks in the order data passes
-    them (each a [`CNF`][cnftrace.CNF], which is its own one block; chains of chains
-    are flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
-    entries. Every flow also has a `base`, the
-    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to (a
-    [`StandardNormal`][cnftrace.StandardNormal] unless another was given), part of
-    its parameters. Subclasses provide `blocks` and `base` (each an
-    `equinox.AbstractVar`: a field or a property),
-    [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
+    Every flow holds `blocks`, its [`CNF`][cnftrace.CNF] blocks in the order data
+    passes them (chains flattened; the order of its
+    [`SolveStats`][cnftrace.SolveStats] entries), and `base`, the
+    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to. Subclasses provide
+    those two, [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
     `with_estimator` and `with_base`; everything else is defined here.
 
     Under a `jit` of yours, compile a method as `jax.jit(lambda x: flow.log_prob(x))`
-    or `eqx.filter_jit(flow.log_prob)`: `jax.jit(flow.log_prob)` is refused by JAX,
-    which hashes the function it compiles, and a bound method of an equinox Module
-    holds the flow's arrays. A float32 input to a float64 flow (under 64-bit mode) is
-    solved in float64, the wider of the two; `sample(..., dtype=)` returns its
-    samples in that `dtype` whatever the flow's.
+    or `eqx.filter_jit(flow.log_prob)` (JAX refuses `jax.jit(flow.log_prob)`: a bound
+    method of an equinox Module holds arrays). Input is solved in the wider of its
+    dtype and the flow's.
 
     !!! example
 

@@ -50,19 +50,12 @@ class MeanFreeNormal(AbstractBase):
     E(n)-equivariant flow for particle systems (Köhler et al. 2020; Garcia Satorras
     et al. 2021). No parameters.
 
-    Samples are standard normal draws with their centre of mass removed (the
-    orthogonal projection of an isotropic Gaussian onto the subspace is the standard
-    normal within it). The log-density is that of the `(n - 1) d`-dimensional
-    standard normal within the subspace,
-
-        log q(z) = -|z - mean(z)|^2 / 2 - (n - 1) d / 2 log(2 pi),
-
-    evaluated after removing the centre of mass, so it is invariant to translations
-    as well as to rotations, reflections and permutations of the particles. A flow
-    over it whose vector field is translation invariant and mean-free (see
-    [`EGNNField`][cnftrace.EGNNField]) models a density within the same subspace:
-    test NLLs are then per `(n - 1) d` degrees of freedom, the convention of the
-    papers on DW4 and LJ13.
+    Samples are standard normal draws with their centre of mass removed; the
+    log-density is that of the `(n - 1) d`-dimensional standard normal within the
+    subspace, `-|z - mean(z)|^2 / 2 - (n - 1) d / 2 log(2 pi)`, invariant to
+    translations, rotations, reflections and permutations of the particles. Test
+    NLLs of a flow over it are per `(n - 1) d` degrees of freedom, the convention of
+    the papers on DW4 and LJ13.
 
     **Arguments:**
 

@@ -110,11 +110,10 @@ class EGNNField(eqx.Module):
     `f(t, y, args)` on one sample `y` of shape `(n_particles, spatial_dim)`.
 
     For every rotation or reflection `R`, translation `a` and permutation `P` of the
-    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`; its output
-    has zero mean over the particles. Over a
-    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is then
-    invariant to all of them, as the Boltzmann density of an energy that depends
-    only on distances is (Köhler et al. 2020).
+    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`, and its
+    output has zero mean over the particles: over a
+    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is invariant
+    to all of them.
 
     **Arguments:**
 

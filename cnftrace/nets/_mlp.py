@@ -114,8 +114,8 @@ class ConcatSquashMLP(eqx.Module):
     - `dim`: the data dimension.
     - `width`: hidden width (64 in FFJORD's toy experiments).
     - `depth`: number of hidden layers (3 gives `dim -> 64 -> 64 -> 64 -> dim`).
-    - `activation`: applied between layers; `jax.nn.tanh` by default (softplus is the
-        other common choice). Anything smooth: the divergence differentiates it.
+    - `activation`: applied between layers; `jax.nn.tanh` by default. Anything
+        smooth: the divergence differentiates it.
     - `zero_last`: initialise the last layer to output zero, so the flow starts at the
         identity map.
     - `context_dim`: for a conditional flow, the size of the context vector, which
@@ -197,22 +197,19 @@ class MLPField(eqx.Module):
     """A plain MLP vector field fed the state, sinusoidal features of time and the
     context: `f(t, y) = MLP([y, cos(k pi t), sin(k pi t) for k = 1..freqs, context])`.
 
-    This is cnftrace's default vector field. Time enters only at the input, as a few
-    smooth periodic features, rather than gating every layer as FFJORD's
-    [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP] does; per training step it learns
-    markedly more (see the docs' page on what buys quality). Callable as a diffrax
-    vector field `f(t, y, args)` on one sample `y` of shape `(dim,)`.
+    cnftrace's default vector field: time enters only at the input, rather than
+    gating every layer as FFJORD's [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]
+    does, which learns more per step (see the docs' quality page). Callable as a
+    diffrax vector field `f(t, y, args)` on one sample `y` of shape `(dim,)`.
 
     **Arguments:**
 
     - `dim`: the data dimension.
     - `width`: hidden width; by default it follows `dim`
-        ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5 dimensions, 256 up
-        to 20, 512 beyond).
+        ([`default_recipe`][cnftrace.default_recipe]).
     - `depth`: number of hidden layers.
-    - `activation`: applied after every hidden layer; SiLU by default (it learned
-        twice as much per step as tanh on the docs' quality page). Anything smooth,
-        since the divergence differentiates it.
+    - `activation`: applied after every hidden layer; SiLU by default. Anything
+        smooth, since the divergence differentiates it.
     - `freqs`: the number of time frequencies `k = 1..freqs` (0 for none: an
         autonomous field).
     - `context_dim`: for a conditional flow, the size of the context vector, which

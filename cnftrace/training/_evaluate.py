@@ -83,14 +83,12 @@ def log_prob_batched(
 
     **Returns:**
 
-    The log-densities as a NumPy array of shape `(n,)` (gathered on the host, chunk
-    by chunk); with `return_nfe`, a pair `(log_prob, nfe)`. The samples are checked
-    on the host (NaN or inf raise a `ValueError`), and a failed solve raises a
-    [`SolverError`][cnftrace.SolverError] with diffrax's message: the compiled
-    program holds no host callback, so JAX's persistent compilation cache keeps it.
-    Host data (NumPy) given to a [`StandardizedFlow`][cnftrace.StandardizedFlow] is
-    standardised on the host in float64 first, and its inner flow evaluated (plus
-    the standardisation's log-determinant), so a large offset keeps its precision.
+    The log-densities as a NumPy array of shape `(n,)`; with `return_nfe`, a pair
+    `(log_prob, nfe)`. NaN or inf in `x` raise a `ValueError`, and a failed solve a
+    [`SolverError`][cnftrace.SolverError], both from the host (the compiled program
+    holds no host callback, so JAX's persistent cache keeps it). Host data given to
+    a [`StandardizedFlow`][cnftrace.StandardizedFlow] is standardised in float64
+    first.
 
     !!! example
 
