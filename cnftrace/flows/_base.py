@@ -1,16 +1,11 @@
-"""Continuous normalizing flows over a base distribution (the standard normal unless
-another is given).
-
-Conventions. A block maps data towards the base by solving `dz/dt = f(t, z)` from `t0`
-to `t1`; this is the *forward* direction (`forward`, `log_prob`). Sampling runs the
-*inverse* direction, from `t1` back to `t0`. With `log_det = log|det dz/dx|` and `q`
-the flow's base,
+"""Continuous normalizing flows over a base distribution. A block maps data towards
+the base by solving `dz/dt = f(t, z)` from `t0` to `t1` (the *forward* direction);
+sampling runs the *inverse* direction. With `q` the flow's base,
 
     log p(x) = log q(z) + log_det,    log_det = integral_{t0}^{t1} tr(df/dz) dt.
 
-Each solve treats the whole batch as one ODE state (never a `vmap` of solves), and the
-step-size controller uses the maximum over samples of each sample's RMS error.
-"""
+Each solve treats the whole batch as one ODE state, under the maximum over samples
+of each sample's RMS error."""
 
 import abc
 import math

@@ -1,19 +1,13 @@
 """An E(n)-equivariant graph network as a vector field for particle systems
 (Satorras, Hoogeboom and Welling, ICML 2021; as a CNF's dynamics, Garcia Satorras et
-al., NeurIPS 2021).
-
-Each particle carries features `h_i` (here only the time: the particles are
-identical) and a position `x_i`. A layer passes messages over every pair,
+al., NeurIPS 2021). Each particle carries features `h_i` (here only the time) and a
+position `x_i`; a layer passes messages over every pair,
 
     m_ij = phi_e(h_i, h_j, |x_i - x_j|^2),
     x_i <- x_i + mean_{j != i} (x_i - x_j) / (|x_i - x_j| + 1) * phi_x(m_ij),
     h_i <- h_i + phi_h(h_i, mean_{j != i} m_ij),
 
-and the velocity is the positions' total change, less its mean over the particles.
-Only distances enter the networks and positions only move along differences, so
-rotating, reflecting or translating the input rotates or reflects the output (and
-leaves it unchanged under translations), and relabelling the particles relabels it.
-"""
+and the velocity is the positions' total change, less its mean over the particles."""
 
 from collections.abc import Callable
 
