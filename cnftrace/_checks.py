@@ -63,6 +63,15 @@ def parse_int(text: str) -> int | None:
     return int(text) if _INT.fullmatch(text) else None
 
 
+def check_activation(activation) -> None:
+    """A `TypeError` unless `activation` is callable."""
+    if not callable(activation):
+        raise TypeError(
+            "`activation` must be a function such as `jax.nn.silu`; got "
+            f"{activation!r}."
+        )
+
+
 def check_key(name: str, key) -> None:
     """`key` is a JAX PRNG key: a typed key (`jax.random.key`) or the raw `uint32`
     data of one (`jax.random.PRNGKey`; JAX checks its shape)."""

@@ -2,6 +2,7 @@
 rename), and reads that open only regular files, never through a link and never
 blocking on a FIFO, bounded by the file's size."""
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -10,14 +11,6 @@ import tempfile
 class FileKindError(OSError):
     """A path that is not a regular file where one is read or written (a directory,
     a link, a FIFO, ...), or a file that ended while it was being read."""
-
-
-def default_mode(path: str) -> None:
-    """mkstemp creates files private (0600); give `path` the mode of a file opened
-    normally, under the process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def atomic_write(path: str, data: bytes, suffix: str = "") -> None:
@@ -35,7 +28,10 @@ def atomic_write(path: str, data: bytes, suffix: str = "") -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
-        default_mode(tmp)
+        # mkstemp makes files private (0600): the mode of a file opened normally.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -65,30 +61,23 @@ def read_regular_file(path: str, limit: int | None = None) -> bytes:
         return read_exactly(fd, size if limit is None else min(size, limit), path)
 
 
-class open_regular:
+@contextlib.contextmanager
+def open_regular(path: str):
     """`with open_regular(path) as (fd, size)`: an open regular file and its size."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fd = None
-
-    def __enter__(self) -> tuple[int, int]:
-        path = self.path
-        check_regular(os.lstat(path).st_mode, path)
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            self.fd = os.open(path, flags)
-        except OSError as e:
-            if isinstance(e, FileNotFoundError):
-                raise
-            raise FileKindError(f"{path} cannot be opened: {e.strerror}.") from None
-        info = os.fstat(self.fd)
+    check_regular(os.lstat(path).st_mode, path)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise FileKindError(f"{path} cannot be opened: {e.strerror}.") from None
+    try:
+        info = os.fstat(fd)
         check_regular(info.st_mode, path)  # it may have been swapped since lstat
-        return self.fd, info.st_size
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
+        yield fd, info.st_size
+    finally:
+        os.close(fd)
 
 
 def file_kind(mode: int) -> str:

@@ -84,7 +84,7 @@ def plot_flow_2d(
     title: str | None = None,
 ) -> str:
     """Saves a three-panel PNG: the data, the learned density (exact trace), and samples
-    from the flow.
+    from the flow; returns `path`.
 
     **Arguments:**
 
@@ -95,10 +95,6 @@ def plot_flow_2d(
     - `lim`, `resolution`: the square `[-lim, lim]^2` shown and the density grid's
         points along each axis (see [`density_grid`][cnftrace.plot.density_grid]).
     - `title`: an optional title above the panels.
-
-    **Returns:**
-
-    `path`.
 
     !!! example
 
@@ -159,7 +155,7 @@ def plot_samples(
     in the data's units: a histogram of each column on the diagonal (data and
     samples overlaid), the data below the diagonal and the samples above it, for
     each pair of the first `max_columns` columns (the title says so when there
-    are more).
+    are more); returns `path`.
 
     **Arguments:**
 
@@ -170,10 +166,6 @@ def plot_samples(
     - `max_columns`: how many of the first columns to show.
     - `title`: an optional first line of the title; the title always says where the
         data and the samples are, and which columns are shown if not all.
-
-    **Returns:**
-
-    `path`.
 
     !!! example
 
@@ -234,7 +226,7 @@ def plot_training_curves(
 ) -> str:
     """Saves training curves, the training NLL (each step's, and its running mean)
     with the validation NLL where there is one, and the NFE per solve, against the
-    step, as a PNG.
+    step, as a PNG; returns `path`.
 
     **Arguments:**
 
@@ -247,10 +239,6 @@ def plot_training_curves(
     - `path`: the PNG file to write.
     - `entropy`: the data's true entropy, drawn as a horizontal line, if known.
 
-    **Returns:**
-
-    `path`.
-
     !!! example
 
         ```python
@@ -260,11 +248,7 @@ def plot_training_curves(
         cnftrace.plot.plot_training_curves(history, "training.png", entropy=2.83)
         ```
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     if isinstance(records, dict):
         keys = ("step", "loss", "nfe")
         missing = [k for k in keys if k not in records]
@@ -328,7 +312,7 @@ def plot_training_curves(
 def plot_image_grid(
     images: np.ndarray, path: str, *, ncols: int = 8, title: str | None = None
 ) -> str:
-    """Saves a grid of grey-scale images as a PNG.
+    """Saves a grid of grey-scale images as a PNG; returns `path`.
 
     **Arguments:**
 
@@ -336,10 +320,6 @@ def plot_image_grid(
     - `path`: the PNG file to write.
     - `ncols`: images per row.
     - `title`: an optional title above the grid.
-
-    **Returns:**
-
-    `path`.
 
     !!! example
 
@@ -350,11 +330,7 @@ def plot_image_grid(
         cnftrace.plot.plot_image_grid(images, "grid.png", ncols=8)
         ```
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     images = np.asarray(images)
     if images.ndim != 3:
         raise ValueError(f"`images` must have shape (n, h, w); got {images.shape}.")

@@ -90,18 +90,27 @@ def check_run_dir(path: str) -> None:
         )
 
 
-def check_model_fits_in_memory(config) -> None:
-    """A `UsageError` when the model's weights alone, with Adam's two moments, cannot
-    fit: at least `blocks * depth * width**2` numbers, three times."""
-    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
-    need = 3 * config.blocks * max(config.depth, 1) * config.width**2 * itemsize
+def _check_memory(numbers: int, setting: str, needs: str, fix: str = "") -> None:
+    """A `UsageError` saying `SETTING cannot fit: NEEDS at least ... GiB, more than
+    the ... GiB of` the memory, where `numbers` of JAX's default float do not fit."""
+    need = numbers * jnp.dtype(jnp.result_type(float)).itemsize
     limit, what = memory_limit()
     if need > limit:
         raise UsageError(
-            f"--width {config.width} cannot fit: {config.blocks} block(s) of depth "
-            f"{config.depth} need at least {need / 2**30:.3g} GiB for the weights and "
-            f"the optimiser's state, more than the {limit / 2**30:.3g} GiB of {what}."
+            f"{setting} cannot fit: {needs} at least {need / 2**30:.3g} GiB, more "
+            f"than the {limit / 2**30:.3g} GiB of {what}.{fix}"
         )
+
+
+def check_model_fits_in_memory(config) -> None:
+    """A `UsageError` when the model's weights alone, with Adam's two moments, cannot
+    fit: at least `blocks * depth * width**2` numbers, three times."""
+    _check_memory(
+        3 * config.blocks * max(config.depth, 1) * config.width**2,
+        f"--width {config.width}",
+        f"{config.blocks} block(s) of depth {config.depth} need, for the weights and "
+        "the optimiser's state,",
+    )
 
 
 def check_probes_fit_in_memory(config, dim: int) -> None:
@@ -110,28 +119,22 @@ def check_probes_fit_in_memory(config, dim: int) -> None:
     through the solve with its tangent, so at least ten such arrays per probe."""
     if config.estimator == "exact" or config.objective != "mle":
         return  # no probes drawn
-    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
-    need = 10 * config.num_probes * config.batch_size * dim * itemsize
-    limit, what = memory_limit()
-    if need > limit:
-        raise UsageError(
-            f"--num-probes {config.num_probes} cannot fit: that many probes for a "
-            f"batch of {config.batch_size} samples of dimension {dim} need at least "
-            f"{need / 2**30:.3g} GiB, more than the {limit / 2**30:.3g} GiB of {what}. "
-            "Use fewer probes (1 is the default), or --estimator exact."
-        )
+    _check_memory(
+        10 * config.num_probes * config.batch_size * dim,
+        f"--num-probes {config.num_probes}",
+        f"that many probes for a batch of {config.batch_size} samples of dimension "
+        f"{dim} need",
+        " Use fewer probes (1 is the default), or --estimator exact.",
+    )
 
 
 def check_fits_in_memory(flag: str, n: int, dim: int) -> None:
     """A `UsageError` when `n` samples of size `dim` cannot fit: an ODE solve keeps
     at least ten arrays the size of the batch (the state, its probes and the solver's
     stages), so that is the lower bound compared with the memory."""
-    itemsize = jnp.dtype(jnp.result_type(float)).itemsize
-    need = 10 * n * dim * itemsize
-    limit, what = memory_limit()
-    if need > limit:
-        raise UsageError(
-            f"{flag} {n} cannot fit: solving for {n} samples of dimension {dim} needs "
-            f"at least {need / 2**30:.3g} GiB, more than the {limit / 2**30:.3g} GiB "
-            f"of {what}. Use a smaller {flag}."
-        )
+    _check_memory(
+        10 * n * dim,
+        f"{flag} {n}",
+        f"solving for {n} samples of dimension {dim} needs",
+        f" Use a smaller {flag}.",
+    )

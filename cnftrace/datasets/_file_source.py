@@ -316,25 +316,18 @@ def file_source(
     dequantize: bool = False,
 ) -> FileSource:
     """A user's own table of samples as a training source: the files read and checked
-    by [`read_table`][cnftrace.datasets.read_table], split by
+    by [`read_table`][cnftrace.datasets.read_table] (with its `columns`, `array`,
+    `drop_missing` and `header`), split by
     [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split), and,
     with `standardize`, standardised by the training rows' mean and standard
-    deviation, in float64 on the host (a large offset keeps its precision). Batches
-    are drawn from the training rows (standardised), the validation rows are
-    standardised too, and `test(seed, n)` returns the first `n` test rows (all of
-    them for `n` of `None` or 0) in the data's own units. A column that takes one
-    value over the training rows is refused by name: it has no density to learn;
-    so, without `standardize`, is a value beyond the range of JAX's float (float32
-    unless x64 is on), in which the data are then used. With `drop_missing`, the
-    rows with a missing value in the chosen columns are dropped before the split
-    (`source.table.dropped` counts them per file); without it, they are refused.
-    With `dequantize`, each column whose values lie on a grid
-    ([`grid_steps`][cnftrace.datasets.grid_steps]: counts, rounded values) is
-    dequantised: each training batch moves it by uniform noise over its grid cell,
-    and the validation and test rows by one fixed draw, so the flow learns a density
-    spread over each cell rather than spikes on the grid values.
-    `header`: whether a text file's first line names its columns (see
-    [`read_table`][cnftrace.datasets.read_table]). The source's `data_file` (a
+    deviation, in float64 on the host. Batches are drawn from the training rows;
+    `test(seed, n)` returns the first `n` test rows (all for `n` of `None` or 0) in
+    the data's own units. A column that takes one value over the training rows is
+    refused by name, and so, without `standardize`, is a value beyond the range of
+    JAX's float. With `dequantize`, each column on a grid
+    ([`grid_steps`][cnftrace.datasets.grid_steps]) moves by uniform noise over its
+    grid cell, afresh in each training batch and by one fixed draw in the
+    validation and test rows. The source's `data_file` (a
     [`DataFile`][cnftrace.datasets.DataFile]) pins what was read, and reads it
     again.
 

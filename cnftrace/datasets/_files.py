@@ -1,28 +1,7 @@
-"""A user's own table of samples, read from files: `.npy`, `.npz` (a named array),
-`.csv`/`.tsv` (numeric columns, an optional header line; see `_text`) and, where
-pandas has a Parquet engine (pyarrow or fastparquet), `.parquet`; `.csv`, `.tsv` and
-`.npy` also compressed (`.gz`, `.bz2`, `.xz`), and a `.zip` holding one table.
-
-Everything is checked before anything trains, and every error names the file, the
-row or column, and the fix: an empty file, text in a numeric column, a line with the
-wrong number of fields, a header line repeated further down (files concatenated with
-their headers), NaN or inf, a dimension that changes between files, a text file not
-in UTF-8, lines that look separated by another character than the extension says
-(`;` or tabs in a .csv, commas in a .tsv), a file whose bytes are of another format
-than its name says (a CSV named `.npy`, a gzip file named `.csv`), a spreadsheet,
-the same file (or the same bytes) given twice. Rows are counted from 0 (as NumPy
-indexes them); the lines of a text file from 1 (as an editor shows them); columns
-from 0, with their header names where there are some.
-
-A missing value (a cell of a text file that is empty or reads NA, N/A, #N/A, <NA>,
-NaN, null, None or ?, in any case, blanks around it aside; NaN in an array or a
-Parquet file, and Parquet's nulls) is refused like any other problem, unless
-`drop_missing` asks for the rows holding one in the chosen columns to be dropped.
-inf is not missing: it is refused either way.
-
-Each file is read once, as bytes: its SHA-256 (what pins a run's data) is that of the
-bytes parsed, those of the file itself for a compressed one.
-"""
+"""A user's own table of samples, read from files (see
+[`read_table`][cnftrace.datasets.read_table] for the formats and every check). Each
+file is read once, as bytes: its SHA-256 (what pins a run's data) is that of the
+bytes parsed, those of the file itself for a compressed one."""
 
 import bz2
 import gzip
@@ -453,13 +432,10 @@ def read_table(
 
     A `ValueError` names the file, the row (and line) or column, and the fix, for an
     empty file, text where a number should be, a field missing from a line, a header
-    line repeated further down, a missing value (without `drop_missing`; with it,
-    a file whose every row has one), inf, files with different columns, a text
-    file not in UTF-8 (a byte-order mark is dropped; UTF-16 is named), a file whose
-    bytes are of another format than its name says, a spreadsheet (save it as CSV),
-    or a directory; where the lines
-    of a text file look separated by `;` or tabs (a .csv) or commas (a .tsv), its
-    error says so. A text file of `PROGRESS_BYTES` (32 MiB) or more shows the
+    line repeated further down, a missing value (without `drop_missing`), inf, files
+    with different columns, a text file not in UTF-8, a file whose bytes are of
+    another format than its name says (or separated by another character), a
+    spreadsheet, or a directory. A text file of `PROGRESS_BYTES` or more shows the
     progress of its parsing on stderr.
 
     !!! example

@@ -18,6 +18,7 @@ from equinox import AbstractVar
 from jax.scipy.special import gammaln, logsumexp
 from jaxtyping import Array, Float
 
+from .._checks import check_int
 from .._custom_types import Key
 
 # Each marginal has mean 0 and variance 1, so a rotation of their product is
@@ -80,12 +81,7 @@ def _marginal_log_prob(name: str, s: Array) -> Array:
     if name == "laplace":
         return -jnp.abs(s) / _LAPLACE_B - math.log(2 * _LAPLACE_B)
     if name == "student5":
-        u = s / _T_SCALE
-        nu = _T_NU
-        log_norm = (
-            gammaln((nu + 1) / 2) - gammaln(nu / 2) - 0.5 * math.log(nu * math.pi)
-        )
-        return log_norm - (nu + 1) / 2 * jnp.log1p(u**2 / nu) - math.log(_T_SCALE)
+        return _t_log_prob(s / _T_SCALE, _T_NU) - math.log(_T_SCALE)
     if name == "gamma2":
         g = s * math.sqrt(_GAMMA_K) + _GAMMA_K
         inside = g > 0
@@ -101,12 +97,6 @@ def _marginal_log_prob(name: str, s: Array) -> Array:
         parts = jnp.stack([normal + math.log(w), heavy + math.log(1 - w)])
         return logsumexp(parts, axis=0)
     raise ValueError(f"unknown marginal {name!r}; choose from {MARGINALS}.")
-
-
-def _check_dim(dim, low: int = 1) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < low:
-        raise ValueError(f"`dim` must be an int >= {low}; got {dim!r}.")
-    return dim
 
 
 def _check_points(x, dim: int) -> Array:
@@ -151,26 +141,33 @@ class KnownDensity(eqx.Module):
         """The exact log-density of each row of `x`."""
 
 
-class _RotatedProduct(KnownDensity):
-    name: str = eqx.field(static=True)
-    dim: int = eqx.field(static=True)
-    marginals: tuple[str, ...] = eqx.field(static=True)
-    rotation: Float[Array, "dim dim"]
+def mixture_log_prob(x, log_weights, means, cholesky) -> Array:
+    """The log-density of each row of `x` under the mixture of Gaussians with these
+    `means` and Cholesky factors of their covariances, weighted by
+    `exp(log_weights)` (which need not sum to 1)."""
+    diff = x[:, None, :] - means.astype(x.dtype)[None]
+    chol = cholesky.astype(x.dtype)
 
-    def sample(self, key, n, dtype=None):
-        dtype = jnp.result_type(float) if dtype is None else dtype
-        keys = jr.split(key, self.dim)
-        s = jnp.stack(
-            [_marginal_sample(m, k, n, dtype) for m, k in zip(self.marginals, keys)],
-            axis=1,
-        )
-        return s @ self.rotation.T.astype(dtype)
+    def solve(lower, rows):
+        return jax.scipy.linalg.solve_triangular(lower, rows.T, lower=True).T
 
-    def log_prob(self, x):
-        x = _check_points(x, self.dim)
-        s = x @ self.rotation.astype(x.dtype)  # rotation^T x, row by row
-        parts = [_marginal_log_prob(m, s[:, i]) for i, m in enumerate(self.marginals)]
-        return sum(parts[1:], parts[0])
+    white = jax.vmap(solve, in_axes=(0, 1), out_axes=1)(chol, diff)
+    log_det = jnp.sum(jnp.log(jnp.diagonal(chol, axis1=1, axis2=2)), axis=1)
+    log_n = (
+        -0.5 * jnp.sum(white**2, axis=-1)
+        - log_det[None]
+        - 0.5 * x.shape[1] * math.log(2 * math.pi)
+    )
+    return logsumexp(log_n + log_weights.astype(x.dtype)[None], axis=1)
+
+
+def mixture_sample(key, n, dtype, log_weights, means, cholesky) -> Array:
+    """`n` draws, in `dtype`, of the mixture of `mixture_log_prob`."""
+    k1, k2 = jr.split(key)
+    which = jr.categorical(k1, log_weights, shape=(n,))
+    eps = jr.normal(k2, (n, means.shape[1]), dtype)
+    chol = cholesky.astype(dtype)[which]
+    return means.astype(dtype)[which] + jnp.einsum("nij,nj->ni", chol, eps)
 
 
 class _GaussianMixture(KnownDensity):
@@ -182,37 +179,20 @@ class _GaussianMixture(KnownDensity):
 
     def sample(self, key, n, dtype=None):
         dtype = jnp.result_type(float) if dtype is None else dtype
-        k1, k2 = jr.split(key)
-        which = jr.categorical(k1, self.log_weights, shape=(n,))
-        eps = jr.normal(k2, (n, self.dim), dtype)
-        chol = self.cholesky.astype(dtype)[which]
-        return self.means.astype(dtype)[which] + jnp.einsum("nij,nj->ni", chol, eps)
+        return mixture_sample(
+            key, n, dtype, self.log_weights, self.means, self.cholesky
+        )
 
     def log_prob(self, x):
         x = _check_points(x, self.dim)
-        diff = x[:, None, :] - self.means.astype(x.dtype)[None]
-
-        def solve(chol, d):
-            return jax.scipy.linalg.solve_triangular(chol, d.T, lower=True).T
-
-        white = jax.vmap(solve, in_axes=(0, 1), out_axes=1)(
-            self.cholesky.astype(x.dtype), diff
-        )
-        log_det = jnp.sum(
-            jnp.log(jnp.diagonal(self.cholesky, axis1=1, axis2=2)), axis=1
-        ).astype(x.dtype)
-        log_n = (
-            -0.5 * jnp.sum(white**2, axis=-1)
-            - log_det[None]
-            - 0.5 * self.dim * math.log(2 * math.pi)
-        )
-        return logsumexp(log_n + self.log_weights.astype(x.dtype)[None], axis=1)
+        return mixture_log_prob(x, self.log_weights, self.means, self.cholesky)
 
 
 class _WarpedProduct(KnownDensity):
     """`x = scale * (R @ warp(s))` for `s` a product of marginals, where `warp`
     applies `s_j += b (s_i**2 - 1)` for each `(i, j, b)` in order (volume-preserving:
-    each is triangular with a unit diagonal) and `scale` is a fixed diagonal."""
+    each is triangular with a unit diagonal) and `scale` is a fixed diagonal. With no
+    warps and a unit scale, a rotated product."""
 
     name: str = eqx.field(static=True)
     dim: int = eqx.field(static=True)
@@ -264,10 +244,6 @@ def rotated_product(dim: int, *, seed: int = 0) -> KnownDensity:
     - `dim`: the dimension, an int >= 1.
     - `seed`: picks the rotation.
 
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
-
     !!! example
 
         ```python
@@ -292,10 +268,6 @@ def gaussian_mixture(dim: int, components: int = 6, *, seed: int = 0) -> KnownDe
     - `components`: the number of Gaussians, an int >= 1.
     - `seed`: picks the means, covariances and weights.
 
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
-
     !!! example
 
         ```python
@@ -306,11 +278,8 @@ def gaussian_mixture(dim: int, components: int = 6, *, seed: int = 0) -> KnownDe
         print(density.log_prob(x).shape)  # (4,)
         ```
     """
-    dim = _check_dim(dim)
-    if isinstance(components, bool) or not isinstance(components, int):
-        raise ValueError(f"`components` must be an int >= 1; got {components!r}.")
-    if components < 1:
-        raise ValueError(f"`components` must be an int >= 1; got {components!r}.")
+    dim = check_int("dim", dim)
+    components = check_int("components", components)
     rng = np.random.default_rng([seed, dim, components, 2])
     weights = rng.dirichlet(np.full(components, 3.0))
     means = rng.standard_normal((components, dim)) * 1.5
@@ -343,23 +312,17 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
     "banana" warps and rotated: the constructed density of benchmark B5, non-Gaussian
     in its marginals, with several modes and non-linear dependence.
 
-    The marginals are those of [`rotated_product`][cnftrace.datasets.rotated_product]
-    (two-mode mixture, Gumbel, Laplace, Student-t5, Gamma(2)). Then `max(1, dim //
-    3)` warps `s_j += b (s_i**2 - 1)`, from a light-tailed coordinate `i` (mixture,
-    Gumbel or Laplace) that no warp changes to another coordinate `j`, drawn from
-    `seed` with `b` in [0.4, 0.8] (each has a unit Jacobian determinant), then a random
-    rotation, then a fixed per-coordinate scale that makes every coordinate's
-    variance about 1 (measured once on 100,000 draws; the density is exact for the
-    scale it holds). `log p(x)` undoes each step exactly.
+    The marginals are those of [`rotated_product`][cnftrace.datasets.rotated_product].
+    Then `max(1, dim // 3)` warps `s_j += b (s_i**2 - 1)` (each with a unit Jacobian
+    determinant), from a light-tailed coordinate `i` that no warp changes to another
+    coordinate `j`, with `b` in [0.4, 0.8] drawn from `seed`; then a random rotation,
+    then a fixed per-coordinate scale that makes every variance about 1 (from
+    100,000 draws). `log p(x)` undoes each step exactly.
 
     **Arguments:**
 
     - `dim`: the dimension, an int >= 2.
     - `seed`: picks the warps and the rotation.
-
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
 
     !!! example
 
@@ -371,7 +334,7 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
         print(x.shape, density.log_prob(x).shape)  # (3, 10) (3,)
         ```
     """
-    dim = _check_dim(dim, low=2)
+    dim = check_int("dim", dim, low=2)
     rng = np.random.default_rng([seed, dim, 3])
     marginals = tuple(MARGINALS[i % len(MARGINALS)] for i in range(dim))
     # Sources are coordinates with light tails, never warped themselves, so that no
@@ -404,20 +367,14 @@ def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
     constructed density of B5's heavy-tailed rows.
 
     The marginals cycle through a two-mode mixture (a Gaussian at -1.8 and, with
-    weight 0.4, a Student-t with 2 degrees of freedom at 1.8: well-separated modes,
-    one of them heavy) and Student-t's with 1.5, 2.5, 3.5 and 5 degrees of freedom,
-    at unit scale (with 1.5 or 2 degrees of freedom there is no variance to
-    standardise by). The rotation (drawn from `seed`) spreads the tails over every
-    coordinate. `log p(x) = sum_i log p_i((R^T x)_i)` exactly.
+    weight 0.4, a Student-t with 2 degrees of freedom at 1.8) and Student-t's with
+    1.5, 2.5, 3.5 and 5 degrees of freedom, at unit scale. The rotation (drawn from
+    `seed`) spreads the tails over every coordinate; `log p(x)` is exact.
 
     **Arguments:**
 
     - `dim`: the dimension, an int >= 1.
     - `seed`: picks the rotation.
-
-    **Returns:**
-
-    A [`KnownDensity`][cnftrace.datasets.KnownDensity].
 
     !!! example
 
@@ -435,11 +392,13 @@ def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
 def _rotated(name: str, table, dim, seed: int, stream: int) -> KnownDensity:
     """The product of `dim` marginals cycling through `table`, rotated by a rotation
     drawn from `seed` (and `stream`, which keeps each family's draws its own)."""
-    dim = _check_dim(dim)
+    dim = check_int("dim", dim)
     rng = np.random.default_rng([seed, dim, stream])
-    return _RotatedProduct(
+    return _WarpedProduct(
         name=f"{name}(dim={dim}, seed={seed})",
         dim=dim,
         marginals=tuple(table[i % len(table)] for i in range(dim)),
+        warps=(),
         rotation=jnp.asarray(_rotation(rng, dim)),
+        scale=jnp.ones(dim),
     )

@@ -62,10 +62,8 @@ def _read_bytes(path: str) -> bytes:
 
 
 def read_idx(path: str | os.PathLike, magic: int | None = None) -> np.ndarray:
-    """Reads one unsigned-byte IDX file (optionally gzipped) into a uint8 array.
-
-    The file format is described in the module's notes: a big-endian header (magic
-    number, then one uint32 size per dimension), then the data bytes in C order.
+    """Reads one unsigned-byte IDX file (optionally gzipped; the format is in the
+    module's notes) into a uint8 array.
 
     **Arguments:**
 
@@ -125,20 +123,14 @@ def read_idx(path: str | os.PathLike, magic: int | None = None) -> np.ndarray:
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
-    """Writes a uint8 array as an IDX file, the format of the MNIST files.
-
-    The magic number is `0x0800 + ndim`: 2051 for `(n, rows, cols)` images, 2049 for
-    `(n,)` labels. The tests use it to make files in the real format.
+    """Writes a uint8 array as an IDX file, the format of the MNIST files, with the
+    magic number `0x0800 + ndim` (2051 for `(n, rows, cols)` images, 2049 for `(n,)`
+    labels).
 
     **Arguments:**
 
     - `path`: the file to write. It is gzipped when its name ends in `.gz`.
-    - `array`: a uint8 array with 1 to 255 dimensions.
-
-    **Returns:**
-
-    `None`. Raises `ValueError` for an array that is not uint8, or whose number of
-    dimensions is not 1 to 255.
+    - `array`: a uint8 array with 1 to 255 dimensions; a `ValueError` otherwise.
 
     !!! example
 
@@ -172,8 +164,6 @@ def _load_pair(root, images_name: str, labels_name: str):
     labels_path = _find(root, labels_name)
     images = read_idx(images_path, IMAGES_MAGIC)
     labels = read_idx(labels_path, LABELS_MAGIC)
-    if images.ndim != 3 or labels.ndim != 1:  # magic fixes ndim; kept for safety
-        raise ValueError(f"unexpected shapes {images.shape} and {labels.shape}.")
     if images.shape[0] != labels.shape[0]:
         raise ValueError(
             f"{images_path!r} holds {images.shape[0]} images but {labels_path!r} "
@@ -189,18 +179,15 @@ def load_mnist_idx(
 
     **Arguments:**
 
-    - `root`: the folder that holds `train-images-idx3-ubyte`,
-        `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte` and
-        `t10k-labels-idx1-ubyte`, each optionally gzipped (`name.gz`). The
-        uncompressed file wins if both exist. Get them from
-        http://yann.lecun.com/exdb/mnist/ or its mirror
-        https://ossci-datasets.s3.amazonaws.com/mnist/ (the one torchvision uses).
+    - `root`: the folder that holds the files named in `MNIST_FILES`, each
+        optionally gzipped (`name.gz`; the uncompressed file wins if both exist),
+        from http://yann.lecun.com/exdb/mnist/ or its mirror
+        https://ossci-datasets.s3.amazonaws.com/mnist/.
 
     **Returns:**
 
-    `(train_images, train_labels, test_images, test_labels)`: uint8 arrays. The
-    images have the shape `(n, rows, cols)` that the headers give (`(60000, 28, 28)`
-    and `(10000, 28, 28)` for MNIST); the labels have shape `(n,)`.
+    `(train_images, train_labels, test_images, test_labels)`: uint8 arrays, the
+    images of shape `(n, rows, cols)` and the labels `(n,)`.
 
     Raises `FileNotFoundError` if a file is missing (the message says where to get
     it), and `ValueError` for a wrong magic number, a truncated file, or a count

@@ -1,12 +1,5 @@
-"""Real data that needs no download: scikit-learn's bundled sets.
-
-- `load_digits`: the 8x8 digits as 64-D images with 17 grey levels, uniformly
-  dequantised and logit-transformed, with the log-determinant of that transform so
-  that a flow's NLL can be turned into bits per dimension of the *discrete* pixels.
-- `load_tabular`: bundled tabular sets, standardised with the training statistics.
-
-Splits are fixed (a permutation from a fixed seed), 70% / 15% / 15%.
-"""
+"""Real data that needs no download (scikit-learn's bundled digits and tables), in
+fixed 70/15/15 splits, and the digits' dequantisation and logit transform."""
 
 import math
 from typing import NamedTuple
@@ -17,22 +10,11 @@ _SPLIT_SEED = 20190506  # fixed: the same splits on every machine
 
 
 class Splits(NamedTuple):
-    """Train, validation and test arrays (float64 NumPy), as the loaders return
-    them: [`load_digits`][cnftrace.datasets.load_digits],
+    """Train, validation and test arrays of shape `(n, dim)` (float64 NumPy), as
+    [`load_digits`][cnftrace.datasets.load_digits],
     [`load_tabular`][cnftrace.datasets.load_tabular] and
-    [`load_uci`][cnftrace.datasets.load_uci] (which can also give another dtype).
-
-    A named tuple, so it unpacks as `train, val, test = splits`.
-
-    **Arguments:**
-
-    - `train`: the training samples, shape `(n_train, dim)`.
-    - `val`: the validation samples, shape `(n_val, dim)`.
-    - `test`: the test samples, shape `(n_test, dim)`.
-
-    **Returns:**
-
-    The named tuple `(train, val, test)`.
+    [`load_uci`][cnftrace.datasets.load_uci] return them; a named tuple, so it
+    unpacks as `train, val, test = splits`.
 
     !!! example
 
@@ -77,9 +59,8 @@ def load_tabular(name: str) -> Splits:
     """Loads a tabular data set bundled with scikit-learn, for density estimation.
 
     The rows are split 70/15/15 by a fixed permutation (the same splits on every
-    machine), and standardised with the training mean and standard deviation. The
-    labels are dropped: these are density-estimation data. Needs scikit-learn;
-    nothing is downloaded.
+    machine) and standardised with the training mean and standard deviation; the
+    labels are dropped. Needs scikit-learn.
 
     **Arguments:**
 
@@ -121,15 +102,10 @@ DIGIT_LEVELS = 17  # pixel values 0..16
 def load_digits() -> Splits:
     """Loads scikit-learn's 8x8 digits as integer grey levels 0..16 (17 levels).
 
-    The rows are split 70/15/15 by a fixed permutation (the same splits on every
-    machine). Dequantise them with [`dequantize`][cnftrace.datasets.dequantize],
-    then map them to the real line with
-    [`logit_transform`][cnftrace.datasets.logit_transform]. Needs scikit-learn;
-    nothing is downloaded.
-
-    **Arguments:**
-
-    None.
+    The rows are split 70/15/15 by a fixed permutation. Dequantise them with
+    [`dequantize`][cnftrace.datasets.dequantize], then map them to the real line
+    with [`logit_transform`][cnftrace.datasets.logit_transform]. Needs
+    scikit-learn.
 
     **Returns:**
 
@@ -231,10 +207,6 @@ def bits_per_dim(nll_x: float, dim: int, levels: int = DIGIT_LEVELS) -> float:
         `nll_y - log_det` (averaged over the samples).
     - `dim`: the number of dimensions, e.g. 64 for the digits.
     - `levels`: the number of discrete levels; 17 (`DIGIT_LEVELS`) by default.
-
-    **Returns:**
-
-    The bits per dimension, a Python float.
 
     !!! example
 

@@ -1,12 +1,6 @@
-"""The standardisation of a data set: each coordinate's mean and standard deviation
-over its training rows, as the map `y = (x - mean) / scale` that a
-[`StandardizedFlow`][cnftrace.StandardizedFlow] puts in front of a flow.
-
-The map's arithmetic (forward, inverse, log-determinant) is defined by
-`cnftrace.flows.AbstractStandardization`, below this layer, so that flows need
-nothing from the data sets; the statistics, and the refusal of columns that cannot
-be standardised, live here with the data.
-"""
+"""The standardisation of a data set: its statistics and the refusal of columns that
+cannot be standardised live here with the data; the map's arithmetic is the flows' own
+(`cnftrace.flows.AbstractStandardization`), so that flows need nothing from here."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,13 +18,9 @@ class Standardization(AbstractStandardization):
     - `mean`: the shift, one value per coordinate (shape `event_shape`).
     - `scale`: the positive scale, of the same shape.
 
-    The map itself (`forward`, `inverse`, `log_det`) is the flows' own
-    ([`StandardizedFlow`][cnftrace.StandardizedFlow] applies it); what is here is
-    the data's side: the statistics, computed from training rows.
-
     Build one from training data with
-    [`Standardization.from_data`][cnftrace.Standardization.from_data], which refuses
-    a column that does not vary (it cannot be standardised).
+    [`Standardization.from_data`][cnftrace.Standardization.from_data]; a
+    [`StandardizedFlow`][cnftrace.StandardizedFlow] applies it.
 
     !!! example
 

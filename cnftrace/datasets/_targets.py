@@ -1,26 +1,8 @@
 """Targets known by their energy: Boltzmann densities `p(x) = exp(-E(x)) / Z` to train
 toward with [`ReverseKL`][cnftrace.ReverseKL] and to weigh samples against, each
-with a sampler for reference samples.
-
-- `mixture2d`: a 2-D mixture of four Gaussians of unequal mass whose normaliser is
-    known exactly (`log Z = log 3`), with exact samples.
-- `dw4`: four particles in 2-D with a double-well pair potential (Köhler, Klein and
-    Noé, ICML 2020): `E = sum_{i<j} a (d_ij - d0)^4 + b (d_ij - d0)^2 + c` with
-    `a = 0.9, b = -4, c = 0, d0 = 4` at temperature 1, the parameters of bgflow's
-    `MultiDoubleWellPotential` as the DW4 experiments of Garcia Satorras et al.
-    (2021) and Klein et al. (2023) use it.
-- `lj13`: a cluster of 13 Lennard-Jones particles in 3-D held together by a harmonic
-    trap on the centre of mass (Köhler et al. 2020): `E = sum_{i<j} eps ((rm /
-    d_ij)^12 - 2 (rm / d_ij)^6) + 1/2 sum_i |x_i - mean(x)|^2` with `eps = rm = 1`, at
-    temperature 1 (bgflow's `LennardJonesPotential` with `oscillator_scale=1`).
-
-The particle systems' energies depend only on distances, so their densities live on
-the positions whose centre of mass is zero (see
-[`MeanFreeNormal`][cnftrace.MeanFreeNormal]); their samples are drawn there, and
-their normalisers are unknown. Their reference samples come from a seeded
-random-walk Metropolis sampler
-([`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis]) run on many
-chains in parallel: the same key gives the same samples.
+with a sampler for reference samples (exact for `mixture2d`; a seeded replica-exchange
+Metropolis run for the particle systems `dw4` and `lj13`, whose densities live on the
+positions with zero centre of mass).
 """
 
 import abc
@@ -34,11 +16,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from equinox import AbstractVar
-from jax.scipy.special import logsumexp
 from jaxtyping import Array, Float
 
 from .._checks import check_int, check_key, check_positive
 from .._custom_types import Key
+from ._known import mixture_log_prob, mixture_sample
 
 # Metropolis chains' steps discarded at the start and between kept samples.
 _BURN_IN = 2000
@@ -116,18 +98,7 @@ class _Mixture2D(EnergyTarget):
 
     def energy(self, x):
         x = self._checked(x)
-        diff = x[:, None, :] - self.means.astype(x.dtype)[None]
-        chol = self.cholesky.astype(x.dtype)
-
-        def solve(lower, rows):
-            return jax.scipy.linalg.solve_triangular(lower, rows.T, lower=True).T
-
-        white = jax.vmap(solve, in_axes=(0, 1), out_axes=1)(chol, diff)
-        log_det = jnp.sum(jnp.log(jnp.diagonal(chol, axis1=1, axis2=2)), axis=1)
-        log_n = (
-            -0.5 * jnp.sum(white**2, axis=-1) - log_det[None] - math.log(2 * math.pi)
-        )
-        return -logsumexp(log_n + self.log_masses.astype(x.dtype)[None], axis=1)
+        return -mixture_log_prob(x, self.log_masses, self.means, self.cholesky)
 
     log_normaliser: float = eqx.field(static=True)
 
@@ -139,11 +110,7 @@ class _Mixture2D(EnergyTarget):
         check_key("key", key)
         check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else dtype
-        which_key, noise_key = jr.split(key)
-        which = jr.categorical(which_key, self.log_masses, shape=(n,))
-        eps = jr.normal(noise_key, (n, 2), dtype)
-        chol = self.cholesky.astype(dtype)[which]
-        return self.means.astype(dtype)[which] + jnp.einsum("nij,nj->ni", chol, eps)
+        return mixture_sample(key, n, dtype, self.log_masses, self.means, self.cholesky)
 
 
 def mixture_2d() -> EnergyTarget:
@@ -152,10 +119,6 @@ def mixture_2d() -> EnergyTarget:
     from the origin, with masses 1.2, 0.9, 0.6 and 0.3, so `Z = 3` and
     `log Z = log 3`. Its samples are exact. The target holds the modes' `means` and
     the logs of their masses, `log_masses`.
-
-    **Returns:**
-
-    An [`EnergyTarget`][cnftrace.datasets.EnergyTarget].
 
     !!! example
 
@@ -192,9 +155,7 @@ class ParticleEnergy(EnergyTarget):
 
     `sample(key, n, *, chains, burn_in, thin, temperatures)` draws reference
     samples with [`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis]
-    (centre of mass fixed at zero, replica exchange over `temperatures`): `chains`
-    chains from spread-out random positions, each run `burn_in` steps while its
-    step sizes adapt, then one sample every `thin` steps.
+    (centre of mass fixed at zero) on `chains` chains from spread-out positions.
     """
 
     name: AbstractVar[str]
@@ -298,10 +259,6 @@ def dw4() -> ParticleEnergy:
     Each pair prefers a distance near 2.5 or near 5.5, so the density has many
     modes. Samples have shape `(4, 2)`.
 
-    **Returns:**
-
-    A [`ParticleEnergy`][cnftrace.datasets.ParticleEnergy].
-
     !!! example
 
         ```python
@@ -321,10 +278,6 @@ def lj13() -> ParticleEnergy:
     per pair with `eps = rm = 1`, in a harmonic trap `1/2 sum_i |x_i - mean(x)|^2`
     (Köhler et al. 2020; bgflow's `LennardJonesPotential`), temperature 1. Samples
     have shape `(13, 3)`.
-
-    **Returns:**
-
-    A [`ParticleEnergy`][cnftrace.datasets.ParticleEnergy].
 
     !!! example
 
@@ -366,10 +319,9 @@ def energy_target(name: str) -> EnergyTarget:
 def _metropolis_run(
     log_prob, x0, key, samples, burn_in, thin, step_size, accept, mean_free, betas
 ):
-    """Random-walk Metropolis on `len(betas)` copies of the chains `x0`, copy `k`
-    at inverse temperature `betas[k]`, with a swap between neighbouring
-    temperatures proposed after every step (even pairs, then odd pairs). Returns
-    the kept states of the copy at `betas[0]` and its acceptance rate."""
+    """`random_walk_metropolis` at the inverse temperatures `betas` (swaps of even
+    pairs, then odd pairs, after every step): the kept states of the copy at
+    `betas[0]` and its acceptance rate."""
     levels, chains = len(betas), x0.shape[0]
     event = x0.shape[1:]
     shape = (levels * chains,)
@@ -460,17 +412,14 @@ def random_walk_metropolis(
     once, with replica exchange across temperatures, seeded: the same key gives the
     same samples.
 
-    Each chain proposes `x + sigma * e` with `e` standard normal (with its centre of
-    mass removed when `mean_free`, so that particle positions stay in the subspace
-    where it is zero) and accepts with probability `min(1, (p(y) / p(x))^(1/T))`; a
-    proposal whose log-density is not finite is rejected. With several
-    `temperatures`, every chain runs a copy at each (the first, 1, is the target);
-    after every step neighbouring copies propose to exchange their states (the
-    replica-exchange swap, which keeps each copy's distribution), so the hot copies,
-    which cross energy barriers easily, pass what they found down to the target.
-    During the `burn_in` steps each copy's `sigma` adapts towards an `acceptance`
-    rate (Robbins-Monro on `log sigma`); then it is fixed, and one sample of the
-    temperature-1 copy is kept every `thin` steps.
+    Each chain proposes `x + sigma * e` with `e` standard normal and accepts with
+    probability `min(1, (p(y) / p(x))^(1/T))` (a proposal whose log-density is not
+    finite is rejected). With several `temperatures`, every chain runs a copy at
+    each, and neighbouring copies propose to exchange their states after every
+    step, so the hot copies pass what they found down to the target. During the
+    `burn_in` steps each copy's `sigma` adapts towards an `acceptance` rate
+    (Robbins-Monro on `log sigma`); then one sample of the temperature-1 copy is
+    kept every `thin` steps.
 
     **Arguments:**
 

@@ -1,16 +1,8 @@
 """Delimited text tables (`.csv`, `.tsv`, and the same compressed): their bytes
-decoded, their header found, their columns picked and every field checked.
-
-Text is read as UTF-8, a byte-order mark (Excel's "CSV UTF-8") dropped; a file in
-UTF-16, one with NUL bytes or one whose lines end in a carriage return alone (old
-Mac OS) is named so. A field is a number by one strict rule (`parse_float`: ASCII
-digits, an optional sign, point and exponent; `inf` and `nan`): `1_010.25` and
-full-width digits are text. NumPy's C parser reads a file where every row is
-numbers; otherwise, and to name any problem, a checking parser, record by record,
-whose messages name the line the record starts on (a quoted field may hold a
-newline, so records and lines differ). Files of `PROGRESS_BYTES` or more show the
-progress of their parsing on stderr.
-"""
+decoded (UTF-8, a byte-order mark dropped), their header found, their columns picked
+and every field checked. NumPy's C parser reads a file where every row is numbers;
+otherwise, and to name any problem, a checking parser reads it record by record,
+naming the line each record starts on (a quoted field may hold a newline)."""
 
 import codecs
 import csv

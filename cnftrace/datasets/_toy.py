@@ -1,14 +1,6 @@
-"""FFJORD's eight 2-D toy distributions, sampled with `jax.random`.
-
-The definitions (scales, noise levels, shifts) are those of `lib/toy_data.py` in
-FFJORD (Grathwohl, Chen et al., ICLR 2019), including the parts it delegates to
-scikit-learn's `make_swiss_roll`, `make_circles` and `make_moons`; they were checked
-against published copies of that file and of scikit-learn's generators. Two
-deliberate differences, neither of which changes the distribution: every sample here
-is an i.i.d. draw (FFJORD and scikit-learn give each class, ring or arm an equal
-block of points, some on an evenly spaced grid of angles, and FFJORD's
-`pinwheel`/`2spirals` silently round `n` down), and exactly `n` samples are always
-returned.
+"""FFJORD's eight 2-D toy distributions (`lib/toy_data.py` of Grathwohl, Chen et al.,
+ICLR 2019, with the scikit-learn generators it calls), sampled with `jax.random`.
+Unlike FFJORD's, every sample is an i.i.d. draw and exactly `n` are returned.
 """
 
 import functools
@@ -151,10 +143,8 @@ def _check_name(name) -> str:
 
 
 def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
-    """Draws `n` i.i.d. samples from the 2-D toy distribution `name`.
-
-    The function is jitted, with `name`, `n` and `dtype` static, so it may also be
-    called inside `jax.jit`.
+    """Draws `n` i.i.d. samples from the 2-D toy distribution `name` (jitted, with
+    `name`, `n` and `dtype` static, so it may also be called inside `jax.jit`).
 
     **Arguments:**
 
@@ -162,9 +152,7 @@ def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
         `"circles"`, `"moons"`, `"2spirals"`, `"checkerboard"` or `"rings"`.
     - `key`: a JAX PRNG key (new-style `jax.random.key` or raw `PRNGKey`).
     - `n`: the number of samples, a positive Python or NumPy integer.
-    - `dtype`: a floating dtype. The default is JAX's default float: float32, or
-        float64 when `jax_enable_x64` is on (without it JAX gives float32 for
-        float64).
+    - `dtype`: a floating dtype; JAX's default float if omitted.
 
     **Returns:**
 
@@ -191,34 +179,18 @@ def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
     return _sample(name, key, int(n), dtype)
 
 
-# Differential entropies in nats; `experiments/toy_entropies.py` recomputes them all.
-#
-# 8gaussians: the closed form log 8 + log(2 pi e sigma^2), sigma = 0.5 / 1.414, is
-# 2.838179; it ignores the overlap of neighbouring components (6.1 sigma apart), which
-# lowers the entropy by H(component | x) = 0.006299 nats -- not negligible at the 0.01
-# level. The value below subtracts that term, computed by deterministic midpoint
-# quadrature of -p log p on [-5.5, 5.5]^2 (steps 0.004 and 0.002 agree to 1e-9).
-# checkerboard: uniform on area 32, so exactly log 32.
-# The other six are Monte Carlo estimates: the mean of -log p(x) over 2e6 samples
-# from `toy_sample` (script seed 20240601), with log p evaluated to 1e-7 or better
-# from the generative definition -- in closed form for circles and rings (a circle
-# of radius R convolved with N(0, s^2 I) has density exp(-(|x| - R)^2 / 2s^2)
-# i0e(|x| R / s^2) / (2 pi s^2)), by composite Gauss-Legendre quadrature over the
-# curve parameter for swissroll, moons and 2spirals, and for pinwheel as a sum over
-# the roots of the inverse map (found on a grid of angles, Newton-polished). Each
-# density integrates to 1.000000 on a grid. "se" is the Monte Carlo standard error;
-# Kozachenko-Leonenko k-NN estimates (k = 1..5) on the same samples agree to 0.0025.
+# Differential entropies in nats; how each was computed is on docs/quality.md.
 _ENTROPY = {
     "8gaussians": math.log(8)
     + math.log(2 * math.pi * math.e * (0.5 / 1.414) ** 2)
     - 0.006299,
     "checkerboard": math.log(32),
-    "swissroll": 2.6699,  # se 0.0005
-    "pinwheel": 2.3174,  # se 0.0007
-    "circles": 3.2678,  # se 0.0006
-    "moons": 2.3938,  # se 0.0005
-    "2spirals": 2.6452,  # se 0.0005
-    "rings": 2.6235,  # se 0.0006
+    "swissroll": 2.6699,
+    "pinwheel": 2.3174,
+    "circles": 3.2678,
+    "moons": 2.3938,
+    "2spirals": 2.6452,
+    "rings": 2.6235,
 }
 _EXACT = frozenset({"8gaussians", "checkerboard"})
 
@@ -226,11 +198,10 @@ _EXACT = frozenset({"8gaussians", "checkerboard"})
 def toy_entropy(name: str) -> float:
     """Returns the differential entropy, in nats, of the toy distribution `name`.
 
-    It is exact (to about 1e-6) for `"checkerboard"` (log 32) and `"8gaussians"`
-    (the Gaussian-mixture closed form less a quadrature-computed overlap term of
-    0.0063). For the other six it is a Monte Carlo estimate with standard error
-    below 1e-3. See [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact]
-    and the comments beside the constants.
+    It is exact (to about 1e-6) for `"checkerboard"` and `"8gaussians"`; for the
+    other six it is a Monte Carlo estimate with standard error below 1e-3 (see
+    [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact], and the
+    "Quality" page for how each was computed).
 
     **Arguments:**
 
@@ -258,19 +229,9 @@ def toy_entropy(name: str) -> float:
 
 
 def toy_entropy_is_exact(name: str) -> bool:
-    """Says whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact
-    or a statistical estimate.
-
-    **Arguments:**
-
-    - `name`: one of `TOY_DATASETS`.
-
-    **Returns:**
-
-    `True` if the entropy is exact (`"8gaussians"` and `"checkerboard"`), `False` if
-    it is a Monte Carlo estimate.
-
-    Raises `ValueError` for an unknown `name`.
+    """Whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact
+    (`"8gaussians"` and `"checkerboard"`) rather than a Monte Carlo estimate. Raises
+    `ValueError` for a `name` not in `TOY_DATASETS`.
 
     !!! example
 
@@ -285,21 +246,14 @@ def toy_entropy_is_exact(name: str) -> bool:
 
 
 def toy_log_prob(name: str, x: Float[Array, "n 2"]) -> Float[Array, " n"]:
-    """Computes the true log-density of the points `x` under the toy distribution
-    `name`.
-
-    Only `"8gaussians"` and `"checkerboard"` have one. Use it to score a fixed test
-    set with the true density: the floor that a model's test NLL is compared with.
+    """The true log-density of the points `x` under the toy distribution `name`:
+    the floor that a model's test NLL is compared with.
 
     **Arguments:**
 
     - `name`: `"8gaussians"` (the full mixture, overlap included) or
         `"checkerboard"` (`-log 32` on the black squares, `-inf` elsewhere).
     - `x`: the points, an array of shape `(n, 2)`.
-
-    **Returns:**
-
-    The log-densities, an array of shape `(n,)`.
 
     Raises `ValueError` for another `name`, or for `x` not of shape `(n, 2)`.
 

@@ -1,33 +1,21 @@
-"""The five tabular sets of MAF and FFJORD, read from the files of MAF's archive.
+"""The five tabular sets of MAF and FFJORD, read from the files of MAF's archive
+(Zenodo record 1161203) and preprocessed as the `datasets/` folder of
+github.com/gpapamak/maf does:
 
-`load_uci(name, root)` reads the preprocessed files that Papamakarios et al. (2017)
-published (Zenodo record 1161203, `data.tar.gz`; FFJORD uses the same files) and
-repeats the preprocessing of the `datasets/` folder of github.com/gpapamak/maf,
-written anew for current NumPy (pandas only to unpickle GAS, h5py only for BSDS300).
-Nothing is downloaded. Checked line by line against MAF's `power.py`, `gas.py`,
-`hepmass.py`, `miniboone.py`, `bsds300.py` (FFJORD's `power.py` and `hepmass.py`
-are the same code):
-
-- POWER: `RandomState(42)` shuffles the rows of the 8-column `data.npy` (active and
-  reactive power, voltage, intensity, 3 sub-meterings, time); columns 3 and 1 go;
-  noise is drawn from the same generator in MAF's order, voltage `0.01 U` first,
-  then active power `0.001 U`, then `U` for the 3 sub-meterings (time gets none).
+- POWER: `RandomState(42)` shuffles the rows of the 8-column `data.npy`; columns 3
+  and 1 go; noise is drawn from the same generator in MAF's order, voltage `0.01 U`
+  first, then active power `0.001 U`, then `U` for the 3 sub-meterings.
 - GAS: drop `Meth`, `Eth`, `Time`; while some column has correlation > 0.98 with
-  another, drop the first such column; standardise all rows (pandas' `std`, ddof 1).
-- HEPMASS: label-1 rows; the test file's last column is dropped (it has one more
-  than the train file); standardise with the statistics of train+val (ddof 1);
-  drop each feature whose *smallest* value occurs more than 5 times in train+val.
-  That is what MAF's `Counter` code does (its `max_count` is the count of the
-  smallest key), not "some value repeats": kept here on purpose.
+  another, drop the first such column; standardise all rows (ddof 1).
+- HEPMASS: label-1 rows; the test file's last column is dropped; standardise with
+  the statistics of train+val (ddof 1); drop each feature whose *smallest* value
+  occurs more than 5 times in train+val (what MAF's `Counter` code does).
 - MINIBOONE: already cleaned in `data.npy`; split, standardise with train+val.
 - BSDS300: the `train`/`validation`/`test` datasets of the HDF5 file, as they are.
 
-Splits are MAF's: test = last `int(0.1 n)` rows, val = last `int(0.1 m)` of the
-other `m`. Departures: a zero standard deviation is replaced by 1 (MAF would give
-NaN), arrays come back as `dtype` (MAF casts to float32). Not verified: the real
-files themselves (no copy here). GAS's pickle was written by pandas < 2 and, as
-MAF issue #13 reports, may not unpickle with pandas >= 2; the error then says so.
-"""
+Departures from MAF: a zero standard deviation is replaced by 1 (MAF would give
+NaN), and arrays come back as `dtype`. GAS's pickle was written by pandas < 2 and may
+not unpickle with pandas >= 2 (MAF issue #13); the error then says so."""
 
 import os
 from collections.abc import Callable
@@ -207,11 +195,9 @@ _LOADERS: dict[str, Callable] = {
 
 
 def load_uci(name: str, root: str | os.PathLike, dtype=np.float64) -> Splits:
-    """Loads one of the five tabular sets of MAF and FFJORD, preprocessed as MAF
-    does (see the module's notes). Nothing is downloaded.
-
-    The splits are MAF's: test is the last `int(0.1 n)` rows, and val is the last
-    `int(0.1 m)` of the other `m`. A zero standard deviation is replaced by 1.
+    """Loads one of the five tabular sets of MAF and FFJORD, preprocessed and split
+    as MAF does (see the module's notes: test is the last `int(0.1 n)` rows, val the
+    last `int(0.1 m)` of the other `m`). Nothing is downloaded.
 
     **Arguments:**
 

@@ -1,10 +1,4 @@
-"""The base class of trace estimators, and what every estimator shares.
-
-An estimator turns a linear map `v -> J v` (a Jacobian-vector product, or a lineax
-operator's `mv`) into its trace. Probes are drawn *separately* from their use (`draw`
-then `estimate`), so that a CNF can draw them once per ODE solve and reuse them at
-every evaluation of the vector field.
-"""
+"""The base class of trace estimators, and what every estimator shares."""
 
 import abc
 from collections.abc import Callable
@@ -15,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._checks import is_int
 from .._custom_types import Key
 
 
@@ -113,6 +108,40 @@ def check_estimator(estimator, name: str = "estimator") -> None:
             f"`{name}` must be a trace estimator: `cnftrace.Exact()`, "
             "`cnftrace.Hutchinson(...)`, `cnftrace.HutchPlusPlus(...)` or "
             f"`cnftrace.XTrace(...)`; got {type(estimator).__name__}."
+        )
+
+
+def check_settings(
+    owner: str, name: str, count, sampler, samplers, minimum: int = 1, multiple: int = 1
+) -> tuple[int, str]:
+    """An estimator's number of vectors `count` (its argument `name`) as a Python
+    `int`, and its `sampler`, after checking them; checked before assignment, since
+    a JAX array must never become a static field."""
+    if not is_int(count):
+        raise ValueError(
+            f"`{name}` of `{owner}` must be a Python int (it fixes array shapes, so it "
+            f"cannot be a JAX array or a float); got {count!r} of type "
+            f"{type(count).__name__}. Use e.g. `{owner}({name}={minimum * multiple})`."
+        )
+    if count < minimum or count % multiple != 0:
+        lower = max(minimum, multiple * (count // multiple))
+        rule = f"a multiple of {multiple} and at least" if multiple > 1 else "at least"
+        raise ValueError(
+            f"`{name}` of `{owner}` must be {rule} {minimum}; got {count}. Use e.g. "
+            f"`{name}={lower}`."
+        )
+    if sampler not in samplers:
+        raise ValueError(f"`sampler` must be one of {samplers}; got {sampler!r}.")
+    return int(count), sampler
+
+
+def need_probe_key(estimator, key, what: str) -> None:
+    """A `ValueError` where a stochastic estimator that draws `what` has no key."""
+    if key is None:
+        raise ValueError(
+            f"`{type(estimator).__name__}` draws {what} and needs a PRNG key; pass "
+            "`key=jax.random.key(seed)`, or use `cnftrace.Exact()` for the exact "
+            "trace."
         )
 
 

@@ -8,8 +8,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 
-from .._checks import check_key, is_int
-from ._base import AbstractEstimator, jvp_columns
+from .._checks import check_key
+from ._base import AbstractEstimator, check_settings, jvp_columns, need_probe_key
 
 _SAMPLERS = ("rademacher", "gaussian", "sphere")
 
@@ -47,30 +47,12 @@ class Hutchinson(AbstractEstimator):
         num_probes: int = 1,
         sampler: Literal["rademacher", "gaussian", "sphere"] = "rademacher",
     ):
-        # Checked before assignment: a JAX array must never become a static field.
-        if not is_int(num_probes):
-            raise ValueError(
-                "`num_probes` must be a Python int (it fixes array shapes, so it "
-                f"cannot be a JAX array or a float); got {num_probes!r} of type "
-                f"{type(num_probes).__name__}. Use e.g. `num_probes=1`."
-            )
-        if num_probes < 1:
-            raise ValueError(
-                f"`num_probes` must be at least 1; got {num_probes}. "
-                "Use `num_probes=1` for the usual single-probe estimator."
-            )
-        if sampler not in _SAMPLERS:
-            raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
-        self.num_probes = int(num_probes)  # a NumPy integer as a Python one
-        self.sampler = sampler
+        self.num_probes, self.sampler = check_settings(
+            "Hutchinson", "num_probes", num_probes, sampler, _SAMPLERS
+        )
 
     def draw(self, key, shape, dtype, *, event_ndim: int = 1):
-        if key is None:
-            raise ValueError(
-                "`Hutchinson` draws random probes and needs a PRNG key; pass "
-                "`key=jax.random.key(seed)`, or use `cnftrace.Exact()` for the exact "
-                "trace."
-            )
+        need_probe_key(self, key, "random probes")
         check_key("key", key)
         shape = tuple(shape)
         batch, event = (

@@ -1,23 +1,13 @@
-"""Sketch-based trace estimators: Hutch++ and XTrace.
+"""Sketch-based trace estimators: Hutch++ (Meyer, Musco, Musco and Woodruff, 2021)
+and XTrace (Epperly, Tropp and Webber, 2024).
 
-Both spend part of a budget of matrix-vector products on a sketch `Q`, an orthonormal
-basis of `A Omega` for random test vectors `Omega`, take the trace of `A` on `span(Q)`
-exactly and estimate only the remainder with Hutchinson probes. When `A` has a few
-large eigenvalues (or singular values) and a small tail, the remainder is small and
-so is the variance, far below that of [`Hutchinson`][cnftrace.Hutchinson] at the same
-cost. On a flat spectrum the sketch captures little and they are noisier than
-Hutchinson, which spends its whole budget on probes.
-
-- Hutch++ (Meyer, Musco, Musco and Woodruff, 2021): one sketch, one set of probes.
-- XTrace (Epperly, Tropp and Webber, 2024): every test vector is used both for the
-    sketch and as a probe, with the sketch of the *other* vectors (leave one out), and
-    the `m` resulting unbiased estimates are averaged.
-
+Both take the trace of `A` exactly on a sketch, the span of `A Omega` for random
+test vectors `Omega`, and estimate only the remainder with probes, so their variance
+is far below [`Hutchinson`][cnftrace.Hutchinson]'s when the spectrum decays fast.
 Both reduce to one function of a batched matrix-vector product
 `mv: (k, n) -> (k, n)` acting on rows, shared by [`cnftrace.trace`][cnftrace.trace]
 (on a lineax operator) and `estimate` (on a Jacobian, through `jax.linearize`).
-Only real operators are supported.
-"""
+Only real operators are supported."""
 
 import abc
 import math
@@ -30,37 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import is_int
-from ._base import AbstractEstimator
+from ._base import AbstractEstimator, check_settings, need_probe_key
 from ._hutchinson import Hutchinson
 
 _SAMPLERS = ("rademacher", "gaussian")
 
 BatchedMatvec = Callable[[Float[Array, "k n"]], Float[Array, "k n"]]
 """`mv(V)` returns the rows `A v` for the rows `v` of `V`."""
-
-
-def _checked(
-    num_matvecs, sampler, *, multiple: int, minimum: int, name: str
-) -> tuple[int, str]:
-    """Validates an estimator's `num_matvecs` and `sampler` and returns them."""
-    # Checked before assignment: a JAX array must never become a static field.
-    if not is_int(num_matvecs):
-        raise ValueError(
-            f"`num_matvecs` of `{name}` must be a Python int (it fixes array shapes, "
-            "so it cannot be a JAX array or a float); got "
-            f"{num_matvecs!r} of type {type(num_matvecs).__name__}. "
-            f"Use e.g. `{name}(num_matvecs={2 * minimum})`."
-        )
-    if num_matvecs < minimum or num_matvecs % multiple != 0:
-        lower = max(minimum, multiple * (num_matvecs // multiple))
-        raise ValueError(
-            f"`num_matvecs` of `{name}` must be a multiple of {multiple} and at "
-            f"least {minimum}; got {num_matvecs}. Use e.g. `num_matvecs={lower}`."
-        )
-    if sampler not in _SAMPLERS:
-        raise ValueError(f"`sampler` must be one of {_SAMPLERS}; got {sampler!r}.")
-    return int(num_matvecs), sampler  # a NumPy integer as a Python one
 
 
 def _hutchpp_trace(mv: BatchedMatvec, probes: Float[Array, "2k n"]) -> Array:
@@ -198,12 +164,7 @@ class AbstractSketchEstimator(AbstractEstimator):
             )
 
     def draw(self, key, shape, dtype, *, event_ndim: int = 1):
-        if key is None:
-            raise ValueError(
-                f"`{type(self).__name__}` draws random test vectors and needs a PRNG "
-                "key; pass `key=jax.random.key(seed)`, or use `cnftrace.Exact()` for "
-                "the exact trace."
-            )
+        need_probe_key(self, key, "random test vectors")
         shape = tuple(shape)
         self._check_size(math.prod(shape[len(shape) - event_ndim :]))
         # The same distributions as Hutchinson's probes, `num_vectors` per sample.
@@ -271,21 +232,18 @@ class HutchPlusPlus(AbstractSketchEstimator):
 
         tr(Q^T A Q) + (1/k) sum_j g_j^T (I - QQ^T) A (I - QQ^T) g_j,
 
-    at a cost of `3k` products with `A` (`A S`, then `A Q` and `A (I - QQ^T) G`
-    together). It is unbiased for any square real `A` (symmetric or not) and exact
-    when `rank(A) <= k`. For a positive semi-definite `A` its standard deviation falls
-    like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.), and it is lowest
-    when the spectrum decays fast. On a flat spectrum it is noisier than Hutchinson
-    with the same budget, which spends all of it on probes.
+    at a cost of `3k` products with `A`. It is unbiased for any square real `A` and
+    exact when `rank(A) <= k`; for a positive semi-definite `A` its standard
+    deviation falls like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.).
+    On a flat spectrum it is noisier than Hutchinson with the same budget.
 
     **Arguments:**
 
     - `num_matvecs`: the budget of matrix-vector products, a static Python `int`, a
         multiple of 3, at least 3, and at most three times the operator's size.
     - `sampler`: `"gaussian"` (default) or `"rademacher"`, for both `S` and `G`.
-        Gaussian sketches have full rank with probability one; Rademacher vectors of
-        a small operator coincide (up to sign) with probability about
-        `k^2 2^-n`, and such a draw has no gradient.
+        Rademacher vectors of a small operator may coincide (up to sign), and such
+        a draw has no gradient.
 
     [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample:
     the sketch, then the probes. Gradients need `A S` of full column rank (JAX
@@ -309,8 +267,8 @@ class HutchPlusPlus(AbstractSketchEstimator):
         num_matvecs: int,
         sampler: Literal["rademacher", "gaussian"] = "gaussian",
     ):
-        self.num_matvecs, self.sampler = _checked(
-            num_matvecs, sampler, multiple=3, minimum=3, name="HutchPlusPlus"
+        self.num_matvecs, self.sampler = check_settings(
+            "HutchPlusPlus", "num_matvecs", num_matvecs, sampler, _SAMPLERS, 3, 3
         )
 
     @property
@@ -348,16 +306,10 @@ class XTrace(AbstractSketchEstimator):
     - `sampler`: `"gaussian"` (default) or `"rademacher"` (see
         [`HutchPlusPlus`][cnftrace.HutchPlusPlus] on the choice).
 
-    A rank-deficient `A W` (an operator of rank below `m`, or Rademacher vectors that
-    happen to be linearly dependent) makes `R` singular. Such a draw is detected (a
-    diagonal entry of `R` below `m * eps * max|R_jj|`) and each `P_i` is then built
-    from the singular vectors of `R` without its `i`-th column, so that it still
-    projects onto the span of the other sketch vectors alone: the estimate stays
-    finite and unbiased, and is exact when those span the range of `A` (always, for
-    Gaussian vectors and an operator of rank at most `m - 1`). Gradients need `A W` of
-    full column rank (JAX differentiates the QR decomposition through `R^{-1}`), which
-    holds with probability one for Gaussian vectors and an operator of rank at least
-    `m`.
+    A rank-deficient `A W` makes `R` singular: such a draw is detected and each
+    `P_i` built from the singular vectors of `R` without its `i`-th column, so the
+    estimate stays finite and unbiased. Gradients need `A W` of full column rank
+    (JAX differentiates the QR decomposition through `R^{-1}`).
 
     !!! example
 
@@ -379,8 +331,8 @@ class XTrace(AbstractSketchEstimator):
         num_matvecs: int,
         sampler: Literal["rademacher", "gaussian"] = "gaussian",
     ):
-        self.num_matvecs, self.sampler = _checked(
-            num_matvecs, sampler, multiple=2, minimum=4, name="XTrace"
+        self.num_matvecs, self.sampler = check_settings(
+            "XTrace", "num_matvecs", num_matvecs, sampler, _SAMPLERS, 4, 2
         )
 
     @property

@@ -1,10 +1,5 @@
-"""The trace of a square lineax operator, exact or estimated.
-
-Everything here is a plain differentiable function of the operator's `mv` (or of
-`lineax.diagonal`, for the exact trace), so JAX derives derivatives with respect to the
-arrays inside the operator, including the parameters of a
-`lineax.JacobianLinearOperator`'s function.
-"""
+"""The trace of a square lineax operator, exact or estimated: a plain differentiable
+function of the operator's `mv` (or of `lineax.diagonal`, for the exact trace)."""
 
 import jax
 import jax.flatten_util as jfu
@@ -14,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float
 
 from .._custom_types import Key
-from ._base import AbstractEstimator
+from ._base import AbstractEstimator, check_estimator
 from ._exact import Exact
 from ._sketch import AbstractSketchEstimator
 
@@ -74,11 +69,7 @@ def trace(
             "`operator` must be a lineax linear operator, e.g. "
             f"`lineax.MatrixLinearOperator(matrix)`; got {type(operator).__name__}."
         )
-    if not isinstance(estimator, AbstractEstimator):
-        raise TypeError(
-            "`estimator` must be a cnftrace estimator such as `cnftrace.Exact()` or "
-            f"`cnftrace.Hutchinson()`; got {type(estimator).__name__}."
-        )
+    check_estimator(estimator)
     _check_square(operator)
     if not estimator.stochastic:
         return jnp.sum(lx.diagonal(operator))

@@ -1,16 +1,11 @@
-"""Continuous normalizing flows over a base distribution (the standard normal unless
-another is given).
-
-Conventions. A block maps data towards the base by solving `dz/dt = f(t, z)` from `t0`
-to `t1`; this is the *forward* direction (`forward`, `log_prob`). Sampling runs the
-*inverse* direction, from `t1` back to `t0`. With `log_det = log|det dz/dx|` and `q`
-the flow's base,
+"""Continuous normalizing flows over a base distribution. A block maps data towards
+the base by solving `dz/dt = f(t, z)` from `t0` to `t1` (the *forward* direction);
+sampling runs the *inverse* direction. With `q` the flow's base,
 
     log p(x) = log q(z) + log_det,    log_det = integral_{t0}^{t1} tr(df/dz) dt.
 
-Each solve treats the whole batch as one ODE state (never a `vmap` of solves), and the
-step-size controller uses the maximum over samples of each sample's RMS error.
-"""
+Each solve treats the whole batch as one ODE state, under the maximum over samples
+of each sample's RMS error."""
 
 import abc
 import math
@@ -52,23 +47,17 @@ class AbstractFlow(eqx.Module):
     at each block's `t0`, the base at `t1`: `forward` maps data to the base, `inverse`
     and `sample` the other way.
 
-    Every flow says what it holds: `blocks`, its CNF blocks in the order data passes
-    them (each a [`CNF`][cnftrace.CNF], which is its own one block; chains of chains
-    are flattened), which is also the order of its [`SolveStats`][cnftrace.SolveStats]
-    entries. Every flow also has a `base`, the
-    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to (a
-    [`StandardNormal`][cnftrace.StandardNormal] unless another was given), part of
-    its parameters. Subclasses provide `blocks` and `base` (each an
-    `equinox.AbstractVar`: a field or a property),
-    [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
+    Every flow holds `blocks`, its [`CNF`][cnftrace.CNF] blocks in the order data
+    passes them (chains flattened; the order of its
+    [`SolveStats`][cnftrace.SolveStats] entries), and `base`, the
+    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to. Subclasses provide
+    those two, [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
     `with_estimator` and `with_base`; everything else is defined here.
 
     Under a `jit` of yours, compile a method as `jax.jit(lambda x: flow.log_prob(x))`
-    or `eqx.filter_jit(flow.log_prob)`: `jax.jit(flow.log_prob)` is refused by JAX,
-    which hashes the function it compiles, and a bound method of an equinox Module
-    holds the flow's arrays. A float32 input to a float64 flow (under 64-bit mode) is
-    solved in float64, the wider of the two; `sample(..., dtype=)` returns its
-    samples in that `dtype` whatever the flow's.
+    or `eqx.filter_jit(flow.log_prob)` (JAX refuses `jax.jit(flow.log_prob)`: a bound
+    method of an equinox Module holds arrays). Input is solved in the wider of its
+    dtype and the flow's.
 
     !!! example
 
@@ -204,11 +193,7 @@ class AbstractFlow(eqx.Module):
         The log-density, a scalar or shape `(n,)`; with `return_stats`, a pair
         `(log_prob, stats)`.
         """
-        x, unbatched = validate_input(x, self.event_shape, "x")
-        _check_batch_fits(x, "x")
-        context = check_context(
-            context, self.context_dim, x.shape[0], unbatched=unbatched
-        )
+        x, unbatched, context = self._checked(x, "x", context)
         need_key(key, self.estimators())
         out, stats = log_prob_program(self, x, key, context, False)
         out = raise_on_failure(out[0] if unbatched else out, stats)
@@ -260,19 +245,8 @@ class AbstractFlow(eqx.Module):
         checked (`x` must be a batch `(n, *event_shape)`, `context` one row per
         sample) and a failed solve does not raise: the statistics' `result` says
         so, for the caller to check. It is `base.log_prob(z) + log_det` of
-        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, so every flow
-        has it by defining `transform`.
-
-        **Arguments:**
-
-        - `x`: a batch of shape `(n, *event_shape)`.
-        - `key`: a PRNG key for a stochastic estimator's probes (`None` for the
-            exact trace).
-        - `counter`: as in [`transform`][cnftrace.AbstractFlow.transform]: a float
-            scalar whose gradient counts the backward evaluations.
-        - `context`: for a conditional flow, one context row per sample.
-        - `regularize`: also compute RNODE's
-            [`Regularization`][cnftrace.Regularization] integrals.
+        [`transform`][cnftrace.AbstractFlow.transform]'s forward map, with its
+        arguments (`key` is `None` for the exact trace).
 
         **Returns:**
 
@@ -463,22 +437,24 @@ class AbstractFlow(eqx.Module):
         )
         return n, dtype
 
-    def _map(self, x, inverse, context, return_stats, name):
+    def _checked(self, x, name, context):
+        """`(x, unbatched, context)`: `x` checked and made a batch that one solve can
+        hold, and `context` checked against it."""
         x, unbatched = validate_input(x, self.event_shape, name)
         _check_batch_fits(x, name)
         context = check_context(
             context, self.context_dim, x.shape[0], unbatched=unbatched
         )
+        return x, unbatched, context
+
+    def _map(self, x, inverse, context, return_stats, name):
+        x, unbatched, context = self._checked(x, name, context)
         y, _, stats = transform_program(self, x, inverse, False, None, context)
         y = raise_on_failure(y[0] if unbatched else y, stats)
         return (y, stats) if return_stats else y
 
     def _map_and_log_det(self, x, inverse, context, key, return_stats, name):
-        x, unbatched = validate_input(x, self.event_shape, name)
-        _check_batch_fits(x, name)
-        context = check_context(
-            context, self.context_dim, x.shape[0], unbatched=unbatched
-        )
+        x, unbatched, context = self._checked(x, name, context)
         need_key(key, self.estimators())
         y, log_det, stats = transform_program(self, x, inverse, True, key, context)
         if unbatched:

@@ -1,13 +1,7 @@
-"""`fit_base`: a base distribution fitted to training rows by the classical methods,
-so that a flow whose field starts at zero starts as the classical model.
-
-A Gaussian mixture is fitted by scikit-learn's EM with the number of components chosen
-by BIC; Student-t tails by the EM algorithm of Peel and McLachlan ("Robust mixture
-modelling using the t distribution", Statistics and Computing, 2000) started from that
-mixture; `"auto"` keeps the candidate with the better validation NLL. All of it runs in
-float64 NumPy on the host with no compiling: seconds at most, next to the flow's
-minutes of training.
-"""
+"""`fit_base`: a base distribution fitted to training rows by the classical methods
+(scikit-learn's EM with BIC for a Gaussian mixture; the EM of Peel and McLachlan,
+"Robust mixture modelling using the t distribution", 2000, for Student-t tails), in
+float64 NumPy on the host."""
 
 import math
 
@@ -182,8 +176,7 @@ def _fit_mixture(train, max_components, covariance, seed):
     best, scores = None, {}
     top = max(1, min(max_components, train.shape[0] // 2))
     # One BLAS thread: EM on a table's rows is small work, and BLAS threads that
-    # wait by spinning take 20 times longer on a machine whose cores are busy (a
-    # 300-row fit: 62 s against 2.6 s beside two other processes on two cores).
+    # wait by spinning take many times longer on a machine whose cores are busy.
     with threadpool_limits(1):
         for k in range(1, top + 1):
             fitted = SklearnMixture(
@@ -299,12 +292,11 @@ def _fit_t_mixture(fitted, train):
     covs = np.asarray(fitted.covariances_, np.float64)
     if diagonal:
         covs = np.stack([np.diag(c) for c in covs])
-    chols = np.linalg.cholesky(covs)
-    scores = []
-    for df in _DF_GRID:
-        logp, _ = _t_log_density(train, means, chols, np.full(len(weights), df))
-        scores.append(np.mean(special.logsumexp(logp + np.log(weights), axis=1)))
-    start = np.full(len(weights), _DF_GRID[int(np.argmax(scores))])
+    nll = [
+        _t_mixture_nll(train, (weights, means, covs, np.full(len(weights), df)))
+        for df in _DF_GRID
+    ]
+    start = np.full(len(weights), _DF_GRID[int(np.argmin(nll))])
     weights, means, covs, df = _t_mixture_em(
         train, weights, means, covs, start, diagonal
     )

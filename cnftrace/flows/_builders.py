@@ -77,8 +77,7 @@ def mlp_flow(
     - `field`: `"mlp"` ([`MLPField`][cnftrace.MLPField]) or `"concatsquash"`
         ([`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]).
     - `blocks`, `width`, `depth`: the architecture. The width follows `dim` by
-        default ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5
-        dimensions, 256 up to 20, 512 beyond).
+        default ([`default_recipe`][cnftrace.default_recipe]).
     - `activation`: `"silu"`, `"tanh"`, `"softplus"`, `"elu"` or any function;
         `None` for the field's default (SiLU for `"mlp"`, tanh for
         `"concatsquash"`).
@@ -89,9 +88,8 @@ def mlp_flow(
     - `base`: the flow's base distribution (the standard normal if omitted), e.g.
         one fitted to training rows by [`fit_base`][cnftrace.fit_base].
     - `zero_last`: start each field's output layer at zero, so that the flow starts
-        as the identity: its log-density is exactly the base's. `None` (default):
-        zero when a `base` other than the standard normal is given, so that the
-        flow starts as the fitted base and training improves on it.
+        as its base; `None` (default): when a `base` other than the standard normal
+        is given.
 
     **Returns:**
 

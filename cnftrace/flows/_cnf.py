@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import check_int, check_positive, is_int, is_number
+from .._checks import check_int, check_positive, is_number
 from .._custom_types import VectorField
 from .._defaults import ATOL, ICOEFF, MAX_STEPS, PCOEFF, RTOL, T1
 from ..estimators import AbstractEstimator, Exact
@@ -29,7 +29,7 @@ from ..ode import (
     state_and_log_density_norm,
 )
 from ._base import AbstractFlow
-from ._distributions import AbstractBase, check_base
+from ._distributions import AbstractBase, check_base, event_shape_of
 from ._inputs import check_span
 
 
@@ -49,9 +49,8 @@ class CNF(AbstractFlow):
     - `t0`, `t1`: the time span; `t1 > t0`. The default span [0, 0.5] learns as
         well as [0, 1] at fewer evaluations (measured on the docs' quality page).
     - `solver`: an adaptive diffrax solver; `diffrax.Tsit5()` by default. Under the
-        default adjoint, an explicit first-same-as-last Runge-Kutta solver (Tsit5,
-        Dopri5, Dopri8, Bosh3) runs each step's stages as one `lax.scan`: diffrax's
-        arithmetic, with a gradient that traces faster (the docs' conventions). Pass
+        default adjoint, Tsit5, Dopri5, Dopri8 and Bosh3 run each step's stages as
+        one `lax.scan` (diffrax's arithmetic, a faster-tracing gradient); pass
         `diffrax.Tsit5(scan_kind="checkpointed")` to keep diffrax's stage loop.
     - `rtol`, `atol`: tolerances of the step-size controller (per sample).
     - `adjoint`: how to differentiate the solve; `diffrax.RecursiveCheckpointAdjoint()`
@@ -64,23 +63,17 @@ class CNF(AbstractFlow):
     - `dt0`: the initial step, a positive number (the inverse solve takes it
         backwards in time); `None` (default) chooses it per solve with Hairer's
         heuristic from two plain evaluations of the field (counted in the NFE).
-    - `pcoeff`, `icoeff`: the PID controller's coefficients. The default `(0.4, 0.3)`
-        is a PI controller: it rejects fewer steps once the field has sharpened, so a
-        training run needs fewer evaluations than with the integral controller
-        `(0, 1)` (measured in the docs' conventions).
+    - `pcoeff`, `icoeff`: the PID controller's coefficients; the default PI
+        controller rejects fewer steps than the integral one `(0, 1)` once the field
+        has sharpened.
     - `args`: passed to `vector_field` as its `args`.
-    - `context_dim`: makes the flow conditional on a context vector of this size
-        (FFJORD-style conditioning on a class embedding or features). Each sample's
-        vector field is then called as `f(t, z, context)` with its own context, and
-        `log_prob`, `sample` and the maps take `context=`; `args` must be `None`.
+    - `context_dim`: makes the flow conditional on a context vector of this size:
+        each sample's field is called as `f(t, z, context)`, and `log_prob`,
+        `sample` and the maps take `context=`; `args` must be `None`.
     - `learn_t1`: make the end time a trainable parameter (FFJORD's `train_T`),
-        kept positive as `t1 = t0 + exp(log_span)` and initialised at `t1`. Read it as
-        `flow.t1`.
-    - `base`: the base distribution at `t1`, an
-        [`AbstractBase`][cnftrace.AbstractBase] over samples of shape `dim`
-        ([`StandardNormal`][cnftrace.StandardNormal] if omitted). Its parameters are
-        trained with the field's unless it is frozen (`trainable=False`).
-        [`fit_base`][cnftrace.fit_base] fits one to training rows.
+        kept positive as `t1 = t0 + exp(log_span)`; read it as `flow.t1`.
+    - `base`: the [`AbstractBase`][cnftrace.AbstractBase] at `t1` (the standard
+        normal if omitted), trained with the field unless it is frozen.
 
     !!! example
 
@@ -136,16 +129,7 @@ class CNF(AbstractFlow):
                 "`vector_field` must be callable as `f(t, z, args)`; got "
                 f"{type(vector_field).__name__}."
             )
-        if is_int(dim):
-            shape = (int(dim),)
-        elif isinstance(dim, tuple) and all(is_int(s) for s in dim):
-            shape = tuple(int(s) for s in dim)
-        else:
-            raise ValueError(
-                f"`dim` must be a positive int (or a tuple of them); got {dim!r}."
-            )
-        if len(shape) == 0 or any(s < 1 for s in shape):
-            raise ValueError(f"`dim` must be positive; got {dim!r}.")
+        shape = event_shape_of(dim, "dim")
         check_span(t0, t1)
         if not (rtol > 0 and atol > 0):
             raise ValueError(f"`rtol` and `atol` must be positive; got {rtol}, {atol}.")

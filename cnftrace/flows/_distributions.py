@@ -1,19 +1,12 @@
 """Base distributions: the density at the base end of a flow (`t1`).
 
-A flow maps data `x` to `z` at its base and scores `log p(x) = log q(z) + log_det`,
-where `q` is its base. The standard normal is the default. A base that already knows
-the data (a Gaussian mixture fitted to the training rows, or heavy Student-t tails) lets
-the vector field start at zero, so that the flow starts as the classical model and
-training only has to improve on it. A CNF's map is Lipschitz over a finite time span,
-and a Lipschitz map of a light-tailed base keeps light tails (Jaini et al., ICML 2020):
-heavy tails have to come from the base.
-
-Every base is an equinox Module with `log_prob` and `sample`. Its parameters are part
-of the flow: `fit` trains them with the field's unless `trainable=False`, checkpoints
-save them and `cnftrace.load` restores them. Parameters are stored unconstrained
-(log-scales, a Cholesky factor with a log-diagonal, logits, degrees of freedom through a
-softplus), so that any update of the optimiser leaves a valid distribution.
-"""
+A base that already knows the data (a Gaussian mixture fitted to the training rows,
+or heavy Student-t tails) lets the vector field start at zero, so that the flow starts
+as the classical model; heavy tails have to come from the base, since a Lipschitz map
+of a light-tailed base keeps light tails (Jaini et al., ICML 2020). Parameters are
+stored unconstrained (log-scales, a Cholesky factor with a log-diagonal, logits,
+degrees of freedom through a softplus), so that any optimiser update leaves a valid
+distribution."""
 
 import abc
 import math
@@ -127,7 +120,7 @@ class StandardNormal(AbstractBase):
     trainable: bool = eqx.field(default=False, static=True)
 
     def __init__(self, shape: int | tuple[int, ...]):
-        self.shape = _event_shape(shape)
+        self.shape = event_shape_of(shape)
         self.trainable = False
 
     def _log_prob(self, z):
@@ -169,15 +162,17 @@ def inverse_softplus(y) -> np.ndarray:
         return np.where(y > 30, y, np.log(np.expm1(np.minimum(y, 30))))
 
 
-def _event_shape(shape) -> tuple[int, ...]:
-    if is_int(shape):
-        shape = (int(shape),)
+def event_shape_of(value, name: str = "shape") -> tuple[int, ...]:
+    """The shape of one sample given as a positive int `d` or a tuple of them."""
+    shape = (value,) if is_int(value) else value
     if (
         not isinstance(shape, tuple)
         or not shape
         or not all(is_int(s) and s >= 1 for s in shape)
     ):
-        raise ValueError(f"`shape` must be a positive int or tuple; got {shape!r}.")
+        raise ValueError(
+            f"`{name}` must be a positive int or a tuple of them; got {value!r}."
+        )
     return tuple(int(s) for s in shape)
 
 
@@ -255,7 +250,7 @@ class Normal(AbstractBase):
         _check_finite("loc", loc)
         _check_positive_finite("scale", scale)
         dtype = _dtype(dtype)
-        self.shape = _event_shape(shape)
+        self.shape = event_shape_of(shape)
         self.loc = jnp.asarray(loc, dtype)
         self.log_scale = jnp.asarray(np.log(scale), dtype)
         self.trainable = _check_bool("trainable", trainable)

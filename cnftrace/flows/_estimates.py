@@ -1,12 +1,7 @@
-"""What a likelihood estimate reports, and the arithmetic of bits per dimension.
-
-[`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] holds per-sample log-densities or
-bits per dimension with their Monte Carlo standard errors. `dequantized_bits` is the
-one place where the dequantisation of discrete data and its scaling to a model's
-range enter bits per dimension; the checks of
-[`ProbabilityFlow.bits_per_dim`][cnftrace.ProbabilityFlow.bits_per_dim]'s arguments
-are beside it.
-"""
+"""What a likelihood estimate reports, and the arithmetic of bits per dimension
+(`dequantized_bits`, the one place where dequantisation and scaling count) with the
+checks of [`ProbabilityFlow.bits_per_dim`][cnftrace.ProbabilityFlow.bits_per_dim]'s
+arguments."""
 
 import math
 

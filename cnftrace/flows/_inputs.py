@@ -58,15 +58,12 @@ def validate_input(x, event_shape: tuple[int, ...], name: str) -> tuple[Array, b
         f"`{name}` contains NaN or inf; a density is only defined at finite points. "
         "Remove or impute those samples first."
     )
-    if on_host:
-        if not _all_finite(x):
-            raise ValueError(not_finite)
-        x = jnp.asarray(x)
-        return (x[None] if unbatched else x), unbatched
+    if on_host and not _all_finite(x):
+        raise ValueError(not_finite)
     x = jnp.asarray(x)
-    if unbatched:
-        x = x[None]
-    x = eqx.error_if(x, jnp.any(~jnp.isfinite(x)), not_finite)
+    x = x[None] if unbatched else x
+    if not on_host:
+        x = eqx.error_if(x, jnp.any(~jnp.isfinite(x)), not_finite)
     return x, unbatched
 
 

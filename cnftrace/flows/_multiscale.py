@@ -1,18 +1,8 @@
 """FFJORD's multiscale image model (its "ODENVP", after RealNVP's multiscale design).
 
-An image of shape `(C, H, W)` passes through `n_scales` scales. At each scale but the
-last, a stack of CNF blocks acts on the current image, the image is *squeezed*
-(space to depth: `(c, h, w) -> (4c, h/2, w/2)`), a second stack of blocks acts on
-the squeezed image, and half of its channels are *factored out*: they are final
-latent variables and leave the flow, while the other half goes on to the next scale.
-The last scale is one stack of blocks. The vector fields are small conv nets with the
-time as an extra input channel ([`ConvField`][cnftrace.ConvField]).
-
 The latent of an image is all factored-out parts and the last scale's output,
 flattened and concatenated in that order and reshaped to `(C, H, W)`: the flow keeps
-the data's shape, and its base is a distribution over that shape (the standard normal
-over every dimension unless another is given).
-"""
+the data's shape, and its base is a distribution over that shape."""
 
 from collections.abc import Callable, Sequence
 
@@ -132,7 +122,7 @@ class MultiscaleFlow(AbstractFlow):
     Scale `i` acts on images of shape `(C 2^i, H / 2^i, W / 2^i)`: `blocks_per_scale`
     blocks, then (except at the last scale) a squeeze to `(4 C 2^i, H / 2^(i+1),
     W / 2^(i+1))`, `blocks_per_scale` more blocks, and a factor-out of the last half
-    of the channels. The latent has the data's shape (see the module docstring), so
+    of the channels. The latent has the data's shape, so
     `log_prob`, `sample`, `forward` and `inverse` are those of every cnftrace flow.
 
     Data is usually dequantised and logit-transformed first (see

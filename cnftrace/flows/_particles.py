@@ -1,18 +1,8 @@
 """The base of a flow over particle systems: a standard normal on the positions whose
-centre of mass is zero.
-
-The energy of `n` identical particles in `d` dimensions (a cluster of atoms, say) does
-not change when the system is translated, rotated or its particles relabelled, so its
-Boltzmann density `exp(-E(x))` is not normalisable over all of `R^(n d)`: translations
-make its integral infinite. The density is defined on the positions with their centre
-of mass at the origin, a linear subspace of dimension `(n - 1) d`, and a flow for it
-lives there too: a vector field that is translation invariant and returns velocities
-whose mean over the particles is zero (such as [`EGNNField`][cnftrace.EGNNField])
-keeps a sample in the subspace, and its divergence in `R^(n d)` equals its divergence
-within the subspace (the field has no component out of the subspace and does not vary
-along the direction of translations), so `log_prob` is the density with respect to
-the subspace's own `(n - 1) d`-dimensional volume.
-"""
+centre of mass is zero. A Boltzmann density of identical particles is invariant to
+translations, so it is only normalisable on that subspace, and a translation-invariant,
+mean-free vector field (such as [`EGNNField`][cnftrace.EGNNField]) keeps a flow in it,
+with its divergence in `R^(n d)` equal to that within the subspace."""
 
 import math
 
@@ -60,19 +50,12 @@ class MeanFreeNormal(AbstractBase):
     E(n)-equivariant flow for particle systems (Köhler et al. 2020; Garcia Satorras
     et al. 2021). No parameters.
 
-    Samples are standard normal draws with their centre of mass removed (the
-    orthogonal projection of an isotropic Gaussian onto the subspace is the standard
-    normal within it). The log-density is that of the `(n - 1) d`-dimensional
-    standard normal within the subspace,
-
-        log q(z) = -|z - mean(z)|^2 / 2 - (n - 1) d / 2 log(2 pi),
-
-    evaluated after removing the centre of mass, so it is invariant to translations
-    as well as to rotations, reflections and permutations of the particles. A flow
-    over it whose vector field is translation invariant and mean-free (see
-    [`EGNNField`][cnftrace.EGNNField]) models a density within the same subspace:
-    test NLLs are then per `(n - 1) d` degrees of freedom, the convention of the
-    papers on DW4 and LJ13.
+    Samples are standard normal draws with their centre of mass removed; the
+    log-density is that of the `(n - 1) d`-dimensional standard normal within the
+    subspace, `-|z - mean(z)|^2 / 2 - (n - 1) d / 2 log(2 pi)`, invariant to
+    translations, rotations, reflections and permutations of the particles. Test
+    NLLs of a flow over it are per `(n - 1) d` degrees of freedom, the convention of
+    the papers on DW4 and LJ13.
 
     **Arguments:**
 

@@ -1,24 +1,6 @@
 """The likelihood of a diffusion or flow-matching model trained elsewhere, through
-its probability-flow ODE.
-
-A model of any of four kinds gives the ODE whose flow carries the data distribution
-to the prior, with the marginal densities of the training process at every time:
-
-- a velocity model `v(t, x)` (flow matching, rectified flow, stochastic
-    interpolants): `dx/dt = v(t, x)`;
-- a score model `s(t, x) = grad log p_t(x)` with its schedule
-    `x_t = alpha(t) x_0 + sigma(t) e`: `dx/dt = f x - g^2 s / 2`, with
-    `f = alpha'/alpha` and `g^2 = 2 sigma sigma' - 2 f sigma^2`;
-- a noise-prediction model `eps(t, x)`, whose score is `-eps / sigma`:
-    `dx/dt = f x + (sigma' - f sigma) eps`;
-- a data-prediction model `x0(t, x)`, whose noise is `(x - alpha x0) / sigma`:
-    `dx/dt = (sigma'/sigma) x + (alpha' - alpha sigma'/sigma) x0`.
-
-`ProbabilityFlow` turns that ODE into a [`CNF`][cnftrace.CNF] block over the prior at
-the noise end, so that every estimator, solver, adjoint and method of the flows
-applies unchanged. Its time runs from the data end (plus the truncation `eps`) to the
-noise end, whatever the model's own convention.
-"""
+its probability-flow ODE, as a [`CNF`][cnftrace.CNF] block over the prior at the
+noise end (see [`ProbabilityFlow`][cnftrace.ProbabilityFlow])."""
 
 import math
 from typing import Literal
@@ -116,67 +98,51 @@ class ProbabilityFlow(AbstractFlow):
     dimension of discrete data, through any trace estimator.
 
     The model is any JAX callable `model(t, x)` on *one* sample `x` (shape `dim`)
-    and a scalar time `t` of `x`'s dtype, returning an array of `x`'s shape:
+    and a scalar time `t` of `x`'s dtype, returning an array of `x`'s shape: an
+    equinox Module or a plain function; a flax model as
+    `jax.tree_util.Partial(lambda params, t, x: net.apply(params, t, x), params)`
+    (so that its parameters are leaves); a model written for batches as
+    `lambda t, x: net(t[None], x[None])[0]`; a model fed another time (DDPM's step
+    index, a VE model's noise level) as `lambda t, x: net(1000 * t, x)`.
 
-    - an equinox Module, or a plain function: `model(t, x)`;
-    - a flax model: `jax.tree_util.Partial(lambda params, t, x: net.apply(params, t,
-        x), params)`, so that its parameters are leaves (gradients reach them);
-    - a model written for batches: `lambda t, x: net(t[None], x[None])[0]`;
-    - a model fed another time (DDPM's step index `i = 1000 t`, a VE model's noise
-        level): `lambda t, x: net(1000 * t, x)`.
-
-    Its `kind` says what it predicts:
-
-    - `"velocity"`: `dx/dt = v(t, x)` of flow matching, rectified flow, OT-CFM or a
-        stochastic interpolant, in the model's own time: data at `data_time`, noise
-        at `noise_time` (0 and 1 by default; facebookresearch/flow_matching and
-        torchcfm put data at 1: pass `data_time=1.0, noise_time=0.0`). No schedule.
-    - `"score"`: `grad_x log p_t(x)`, with its `schedule` (data at `t = 0`);
-    - `"noise"`: the noise `eps` of `x_t = alpha x_0 + sigma eps` (score
-        `-eps / sigma`), with its `schedule`;
-    - `"data"`: the clean data `x_0` (DDPM's x-prediction), with its `schedule`.
-
-    The flow's block is a [`CNF`][cnftrace.CNF] whose vector field is the
+    The flow's one block is a [`CNF`][cnftrace.CNF] whose vector field is the
     probability-flow drift and whose base is the `prior`: `log_prob(x)` is
     `log p_eps(x)`, the density of the training process's marginal at the truncated
-    data end, `sample` draws the prior and integrates back to it, and every method
-    of [`AbstractFlow`][cnftrace.AbstractFlow], `jit`, `vmap` and gradients work as
-    for any flow (the checkpointed adjoint bounds the memory of a gradient).
+    data end, and every method of [`AbstractFlow`][cnftrace.AbstractFlow], `jit`,
+    `vmap` and gradients work as for any flow.
 
     **Arguments:**
 
     - `model`: the model, as above.
     - `dim`: the size of one sample, or its shape (a tuple, for images).
-    - `kind`: `"velocity"`, `"score"`, `"noise"` or `"data"`.
+    - `kind`: what the model predicts:
+        - `"velocity"`: `dx/dt = v(t, x)` of flow matching, rectified flow, OT-CFM
+          or a stochastic interpolant, with data at `data_time` and noise at
+          `noise_time` (0 and 1 by default; facebookresearch/flow_matching and
+          torchcfm put data at 1). No schedule.
+        - `"score"`: `grad_x log p_t(x)`, with its `schedule` (data at `t = 0`);
+          `dx/dt = f x - g^2 s / 2`.
+        - `"noise"`: the noise `eps` of `x_t = alpha x_0 + sigma eps` (score
+          `-eps / sigma`), with its `schedule`.
+        - `"data"`: the clean data `x_0` (DDPM's x-prediction), with its `schedule`.
     - `schedule`: for score, noise and data models, their
-        [`AbstractSchedule`][cnftrace.AbstractSchedule]
-        ([`VPSchedule`][cnftrace.VPSchedule],
-        [`SubVPSchedule`][cnftrace.SubVPSchedule],
-        [`VESchedule`][cnftrace.VESchedule],
-        [`CosineSchedule`][cnftrace.CosineSchedule],
-        [`LinearSchedule`][cnftrace.LinearSchedule] or one of your own); the ODE
-        runs over `[eps, schedule.t_end]`. `sigma` must stay positive on that
-        interval, and for score and noise models `alpha` too (their drift divides
-        by it): checked on a grid of 1025 times.
+        [`AbstractSchedule`][cnftrace.AbstractSchedule]; the ODE runs over
+        `[eps, schedule.t_end]`. `sigma` must stay positive there, and for score
+        and noise models `alpha` too (checked on a grid of 1025 times).
     - `data_time`, `noise_time`: a velocity model's times of the data and of the
-        noise (0 and 1 by default).
-    - `eps`: the truncation of the interval at the data end: the ODE starts at
-        `data_time + eps` (towards the noise). By default `1e-5` for score, noise
-        and data models (score_sde's; the score diverges at `t = 0` where `sigma`
-        vanishes), `0` for velocity models. It must lie in `(0, T)` for diffusion
-        models and `[0, T)` for velocity models, `T` the interval's length.
-    - `prior`: the distribution at the noise end, an
-        [`AbstractBase`][cnftrace.AbstractBase]. By default the standard normal,
-        except for a schedule whose `prior_scale()` is not 1:
-        [`Normal`][cnftrace.Normal]`(dim, scale=schedule.prior_scale())`, e.g.
-        VE's `N(0, sigma_max^2 I)`. The marginal at the noise end differs from it
-        by the data's share `alpha(T) x_0` (and for VE by `sigma_min`): its effect
-        on `log_prob` is documented on the page "Likelihoods of diffusion and
-        flow-matching models".
+        noise.
+    - `eps`: the truncation at the data end: the ODE starts at `data_time + eps`.
+        By default `1e-5` for score, noise and data models (score_sde's; the score
+        diverges where `sigma` vanishes), `0` for velocity models. It must lie in
+        `(0, T)` for diffusion models and `[0, T)` for velocity models, `T` the
+        interval's length.
+    - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; the
+        standard normal, or [`Normal`][cnftrace.Normal]`(dim,
+        scale=schedule.prior_scale())` for a schedule whose prior scale is not 1
+        (VE's `N(0, sigma_max^2 I)`). Its effect on `log_prob` is on the page
+        "Likelihoods of diffusion and flow-matching models".
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`, `dt0`,
-        `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF]
-        (Tsit5 at `rtol = atol = 1e-5`, the checkpointed adjoint and the exact trace
-        by default).
+        `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF].
 
     !!! example
 
@@ -439,7 +405,8 @@ class ProbabilityFlow(AbstractFlow):
         A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
         """
         x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize=False)
-        values, stats = self._solve_repeats(x, key, repeats)
+        logp, stats = self._solve_tiled(_tile(x, repeats), key)
+        values = logp.reshape(repeats, -1)
         return make_estimate(values, stats, self, "nats", repeats, stochastic)
 
     def bits_per_dim(
@@ -457,45 +424,34 @@ class ProbabilityFlow(AbstractFlow):
         log2-likelihood per dimension of the bin each sample falls in, bounded by
         uniform dequantisation.
 
-        The data `x` take values on a grid of spacing `bin_width` (1 for 8-bit
-        images given as integers 0..255; 1/255 for those divided by 255). A sample's
-        bin is `[x, x + bin_width)` in each coordinate; it is dequantised as
-        `x + bin_width u`, `u ~ U[0, 1)^D`, and mapped to the model's range by the
-        affine map `y = m_lo + a (x + bin_width u - d_lo)` that sends `data_range =
-        (d_lo, d_hi)` onto `model_range = (m_lo, m_hi)`, `a = (m_hi - m_lo) /
-        (d_hi - d_lo)`. With `D` dimensions,
+        A sample `x` on a grid of spacing `Delta = bin_width` is dequantised as
+        `x + Delta u`, `u ~ U[0, 1)^D`, and mapped to the model's units by the affine
+        map `y = m_lo + a (x + Delta u - d_lo)` that sends `data_range = (d_lo, d_hi)`
+        onto `model_range = (m_lo, m_hi)`. Then
 
         $$\log P(\text{bin}) \ge \mathbb{E}_u \log p_y(y) + D \log(a\,\Delta),$$
 
-        the bin's volume in the model's units, `a Delta`, counting the scaling's
-        log-determinant `D log a` and the dequantisation's `D log Delta` once,
-        here. Each draw of `u` gives $-(\log p_y(y) + D\log(a\Delta)) / (D \log
-        2)$ bits per dimension. For 8-bit integers on a model of `[-1, 1]`:
-        score_sde's `(x + u) / 256 * 2 - 1` is `bin_width=1, data_range=(0, 256),
-        model_range=(-1, 1)`; DDPM's `x / 127.5 - 1` (with `u` added) is
-        `bin_width=1, data_range=(0, 255), model_range=(-1, 1)`.
+        and each draw of `u` gives $-(\log p_y(y) + D\log(a\Delta)) / (D \log 2)$ bits
+        per dimension. For 8-bit integers on a model of `[-1, 1]`: score_sde's
+        `(x + u) / 256 * 2 - 1` is `bin_width=1, data_range=(0, 256),
+        model_range=(-1, 1)`; DDPM's `x / 127.5 - 1` is `bin_width=1,
+        data_range=(0, 255), model_range=(-1, 1)`.
 
         **Arguments:**
 
-        - `x`: the discrete data, shape `(n, *event_shape)`, integers or floats, in
-            the data's own units.
-        - `bin_width`: the spacing `Delta` of the data's values, in those units;
-            required.
-        - `data_range`: `(d_lo, d_hi)`, the data's interval that the affine map
-            sends onto `model_range`; every `x` must lie in it (a check that the
-            data are in their own units, not already scaled). Without it the model
-            sees the dequantised data as they are (`a = 1`).
-        - `model_range`: `(m_lo, m_hi)`, where `data_range`'s ends land in the
-            model's units (`(-1, 1)` for most image diffusion models); `data_range`
-            itself if omitted.
-        - `key`: a PRNG key: for the dequantisation noise, and the probes of a
-            stochastic estimator. The noise is drawn from the key's first half
-            (`jax.random.split(key)[0]`), so estimators given one key see the same
-            dequantised points.
+        - `x`: the discrete data, shape `(n, *event_shape)`, in the data's own units.
+        - `bin_width`: the spacing `Delta` of the data's values; required.
+        - `data_range`: `(d_lo, d_hi)`, which every `x` must lie in (a check that the
+            data are in their own units); without it, `a = 1`.
+        - `model_range`: where `data_range`'s ends land in the model's units;
+            `data_range` itself if omitted.
+        - `key`: a PRNG key for the dequantisation noise (drawn from
+            `jax.random.split(key)[0]`, so estimators given one key see the same
+            points) and a stochastic estimator's probes.
         - `repeats`: independent draws of `u` (and probes) per sample, averaged; at
             least 2 for a standard error.
-        - `dequantize`: `False` when `x` are already dequantised (continuous values
-            in their bins); then no noise is drawn.
+        - `dequantize`: `False` when `x` are already dequantised; then no noise is
+            drawn.
 
         **Returns:**
 
@@ -527,7 +483,7 @@ class ProbabilityFlow(AbstractFlow):
         if data_range is not None:
             x = check_in_range(x, data_range)
         probe_key = key
-        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
+        tiled = _tile(x, repeats)
         if dequantize:
             noise_key, probe_key = jr.split(key)
             tiled = tiled + bin_width * jr.uniform(noise_key, tiled.shape, x.dtype)
@@ -570,7 +526,7 @@ class ProbabilityFlow(AbstractFlow):
         logp, stats = log_prob_program(self, tiled, key, None, False)
         return raise_on_failure(logp, stats), stats
 
-    def _solve_repeats(self, x, key, repeats):
-        tiled = jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
-        logp, stats = self._solve_tiled(tiled, key)
-        return logp.reshape(repeats, -1), stats
+
+def _tile(x, repeats):
+    """`repeats` copies of the batch `x`, one after the other."""
+    return jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))

@@ -1,10 +1,5 @@
 """How the flows' public methods run: each as one compiled program, with a failed
-solve raised on the host.
-
-`log_prob`, `sample` and the maps check their input on the host, then run one program
-(per flow structure, shapes and static arguments) and raise a failed solve's message
-after it; inside a caller's transformation they are inlined and raise by a runtime
-check instead."""
+solve raised on the host."""
 
 import warnings
 from collections.abc import Callable
@@ -91,10 +86,7 @@ def base_draws(base, key, n: int, dtype) -> tuple[Array, Array, Array]:
 @_compiled
 def sample_program(flow, key, n, dtype, context, log_det):
     """`(x, log_prob or None, stats, (redrawn, left))` of `n` samples."""
-    if log_det:
-        key, probe_key = jr.split(key)
-    else:
-        probe_key = None
+    key, probe_key = jr.split(key) if log_det else (key, None)
     z, redrawn, left = base_draws(flow.base, key, n, dtype)
     x, ld, stats, _ = flow.transform(
         z, inverse=True, log_det=log_det, key=probe_key, context=context

@@ -1,15 +1,6 @@
-"""Noise schedules of diffusion models: the marginal `x_t = alpha(t) x_0 + sigma(t) e`.
-
-A diffusion model trained elsewhere noised its data `x_0` as `x_t = alpha(t) x_0 +
-sigma(t) e`, `e ~ N(0, I)`, for `t` in `[0, T]` (data at 0, noise at `T`). Its
-probability-flow ODE needs only `alpha`, `sigma` and their time derivatives: the SDE's
-drift `f(t) x` and diffusion `g(t)` follow from them,
-
-    f(t) = alpha'(t) / alpha(t),     g(t)^2 = d sigma^2 / dt - 2 f(t) sigma(t)^2,
-
-so a schedule is a small Module with `alpha(t)`, `sigma(t)` and its end time `T`. The
-derivatives come from JAX's forward mode unless a schedule gives them in closed form.
-"""
+"""Noise schedules of diffusion models, `x_t = alpha(t) x_0 + sigma(t) e`: what a
+probability-flow ODE needs of a diffusion model (see
+[`AbstractSchedule`][cnftrace.AbstractSchedule])."""
 
 import abc
 import math
@@ -105,8 +96,14 @@ class AbstractSchedule(eqx.Module):
         return float(jnp.sqrt(self.alpha(t) ** 2 + self.sigma(t) ** 2))
 
 
-def _check_t_end(t_end) -> None:
-    check_positive("t_end", t_end)
+def _check_t_end(schedule, kind: str | None = None) -> None:
+    """`t_end` positive, and at most 1 for a `kind` of schedule whose `alpha`
+    vanishes there."""
+    check_positive("t_end", schedule.t_end)
+    if kind is not None and not schedule.t_end <= 1:
+        raise ValueError(
+            f"`t_end` of the {kind} schedule must be at most 1; got {schedule.t_end}."
+        )
 
 
 class _AbstractLinearRate(AbstractSchedule):
@@ -119,7 +116,7 @@ class _AbstractLinearRate(AbstractSchedule):
 
     def __check_init__(self):
         _check_rates(self.beta_min, self.beta_max)
-        _check_t_end(self.t_end)
+        _check_t_end(self)
 
     def _integral(self, t):
         return self.beta_min * t + 0.5 * (self.beta_max - self.beta_min) * t**2
@@ -230,7 +227,7 @@ class VESchedule(AbstractSchedule):
                 "`sigma_max` must exceed `sigma_min`; got "
                 f"sigma_min={self.sigma_min}, sigma_max={self.sigma_max}."
             )
-        _check_t_end(self.t_end)
+        _check_t_end(self)
 
     def alpha(self, t):
         return jnp.ones_like(jnp.asarray(t, jnp.result_type(t, float)))
@@ -267,11 +264,7 @@ class CosineSchedule(AbstractSchedule):
 
     def __check_init__(self):
         check_positive("s", self.s)
-        _check_t_end(self.t_end)
-        if not self.t_end <= 1:
-            raise ValueError(
-                f"`t_end` of the cosine schedule must be at most 1; got {self.t_end}."
-            )
+        _check_t_end(self, "cosine")
 
     def _theta(self, t):
         return (t + self.s) / (1 + self.s) * (math.pi / 2)
@@ -308,11 +301,7 @@ class LinearSchedule(AbstractSchedule):
     t_end: float = 1.0
 
     def __check_init__(self):
-        _check_t_end(self.t_end)
-        if not self.t_end <= 1:
-            raise ValueError(
-                f"`t_end` of the linear schedule must be at most 1; got {self.t_end}."
-            )
+        _check_t_end(self, "linear")
 
     def alpha(self, t):
         return 1 - jnp.asarray(t, jnp.result_type(t, float))

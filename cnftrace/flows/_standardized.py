@@ -1,15 +1,5 @@
 """A flow over data in its own units: a per-coordinate standardisation in front of a
-flow trained on the standardised data.
-
-`StandardizedFlow(flow, Standardization(mean, scale))` models `x` through
-`y = (x - mean) / scale`, so
-
-    log p(x) = log p_flow(y) - sum(log scale)
-
-and its samples are the flow's samples mapped back, `x = mean + scale * y`. The
-command line trains `flow` on standardised data and `cnftrace.load` hands back this
-wrapper, so that `log_prob` and `sample` work in the data's units.
-"""
+flow trained on the standardised data."""
 
 import equinox as eqx
 import jax
@@ -51,32 +41,28 @@ class AbstractStandardization(eqx.Module):
             return -np.sum(np.log(np.asarray(self.scale, np.float64)))
         return -jnp.sum(jnp.log(jnp.asarray(self.scale)))
 
-    def _constants(self, x):
+    def _arrays(self, x):
+        """`(x, mean, scale)`: in float64 NumPy for host data (NumPy, lists), so that
+        a large offset (times near 1.7e9, say) keeps its precision; else JAX arrays
+        in `x`'s dtype, the constants shaped to broadcast against it."""
+        if self._host(x):
+            return tuple(np.asarray(v, np.float64) for v in (x, self.mean, self.scale))
+        x = jnp.asarray(x)
         shape = (1,) * (x.ndim - jnp.ndim(self.mean)) + jnp.shape(self.mean)
         # Constants of the data, not parameters: a flow fine-tuned by `fit` keeps them.
         mean = jax.lax.stop_gradient(jnp.asarray(self.mean, x.dtype))
         scale = jax.lax.stop_gradient(jnp.asarray(self.scale, x.dtype))
-        return mean.reshape(shape), scale.reshape(shape)
+        return x, mean.reshape(shape), scale.reshape(shape)
 
     def forward(self, x: Float[Array, "*batch event"]) -> Float[Array, "*batch event"]:
-        """Data to standardised units: `(x - mean) / scale`. Host data (NumPy, lists)
-        is mapped in float64 NumPy, so that a large offset (times near 1.7e9, say)
-        keeps its precision; a JAX array in its own dtype."""
-        if self._host(x):
-            mean, scale = (np.asarray(v, np.float64) for v in (self.mean, self.scale))
-            return (np.asarray(x, np.float64) - mean) / scale
-        x = jnp.asarray(x)
-        mean, scale = self._constants(x)
+        """Data to standardised units: `(x - mean) / scale`, in float64 NumPy for host
+        data, a JAX array in its own dtype."""
+        x, mean, scale = self._arrays(x)
         return (x - mean) / scale
 
     def inverse(self, y: Float[Array, "*batch event"]) -> Float[Array, "*batch event"]:
-        """Standardised units back to data: `mean + scale * y`; in float64 NumPy for
-        host data, as `forward` does."""
-        if self._host(y):
-            mean, scale = (np.asarray(v, np.float64) for v in (self.mean, self.scale))
-            return mean + scale * np.asarray(y, np.float64)
-        y = jnp.asarray(y)
-        mean, scale = self._constants(y)
+        """Standardised units back to data: `mean + scale * y`, as `forward` does."""
+        y, mean, scale = self._arrays(y)
         return mean + scale * y
 
 

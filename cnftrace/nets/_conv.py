@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
-from .._checks import check_int
+from .._checks import check_activation, check_int
 from .._custom_types import Key
 
 
@@ -106,8 +106,7 @@ class ConvField(eqx.Module):
                 f"e.g. (64, 64, 64); got {hidden!r}."
             )
         hidden = [check_int(f"hidden[{i}]", h, 1) for i, h in enumerate(hidden)]
-        if not callable(activation):
-            raise TypeError(f"`activation` must be callable; got {activation!r}.")
+        check_activation(activation)
         sizes = [channels, *hidden, channels]
         keys = jr.split(key, len(sizes) - 1)
         layers = [
@@ -118,10 +117,7 @@ class ConvField(eqx.Module):
             layers[-1] = eqx.tree_at(
                 lambda m: (m.conv.weight, m.conv.bias),
                 layers[-1],
-                (
-                    jnp.zeros_like(layers[-1].conv.weight),
-                    jnp.zeros_like(layers[-1].conv.bias),
-                ),
+                replace_fn=jnp.zeros_like,
             )
         self.layers = tuple(layers)
         self.activation = activation

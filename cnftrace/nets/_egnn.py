@@ -1,19 +1,13 @@
 """An E(n)-equivariant graph network as a vector field for particle systems
 (Satorras, Hoogeboom and Welling, ICML 2021; as a CNF's dynamics, Garcia Satorras et
-al., NeurIPS 2021).
-
-Each particle carries features `h_i` (here only the time: the particles are
-identical) and a position `x_i`. A layer passes messages over every pair,
+al., NeurIPS 2021). Each particle carries features `h_i` (here only the time) and a
+position `x_i`; a layer passes messages over every pair,
 
     m_ij = phi_e(h_i, h_j, |x_i - x_j|^2),
     x_i <- x_i + mean_{j != i} (x_i - x_j) / (|x_i - x_j| + 1) * phi_x(m_ij),
     h_i <- h_i + phi_h(h_i, mean_{j != i} m_ij),
 
-and the velocity is the positions' total change, less its mean over the particles.
-Only distances enter the networks and positions only move along differences, so
-rotating, reflecting or translating the input rotates or reflects the output (and
-leaves it unchanged under translations), and relabelling the particles relabels it.
-"""
+and the velocity is the positions' total change, less its mean over the particles."""
 
 from collections.abc import Callable
 
@@ -24,7 +18,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float
 
-from .._checks import check_int
+from .._checks import check_activation, check_int
 from .._custom_types import Key
 from .._defaults import EGNN_DEPTH, EGNN_WIDTH, FREQS
 
@@ -110,11 +104,10 @@ class EGNNField(eqx.Module):
     `f(t, y, args)` on one sample `y` of shape `(n_particles, spatial_dim)`.
 
     For every rotation or reflection `R`, translation `a` and permutation `P` of the
-    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`; its output
-    has zero mean over the particles. Over a
-    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is then
-    invariant to all of them, as the Boltzmann density of an energy that depends
-    only on distances is (Köhler et al. 2020).
+    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`, and its
+    output has zero mean over the particles: over a
+    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is invariant
+    to all of them.
 
     **Arguments:**
 
@@ -166,11 +159,7 @@ class EGNNField(eqx.Module):
         check_int("width", width)
         check_int("depth", depth)
         check_int("freqs", freqs, 0)
-        if not callable(activation):
-            raise TypeError(
-                f"`activation` must be a function such as `jax.nn.silu`; got "
-                f"{activation!r}."
-            )
+        check_activation(activation)
         dtype = jnp.result_type(float) if dtype is None else dtype
         embed_key, *layer_keys = jr.split(key, depth + 1)
         self.embedding = eqx.nn.Linear(1 + 2 * freqs, width, key=embed_key, dtype=dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float
 
-from .._checks import check_int
+from .._checks import check_activation, check_int
 from .._custom_types import Key
 from .._defaults import CONCATSQUASH_WIDTH, DEPTH, FREQS, default_width
 
@@ -114,8 +114,8 @@ class ConcatSquashMLP(eqx.Module):
     - `dim`: the data dimension.
     - `width`: hidden width (64 in FFJORD's toy experiments).
     - `depth`: number of hidden layers (3 gives `dim -> 64 -> 64 -> 64 -> dim`).
-    - `activation`: applied between layers; `jax.nn.tanh` by default (softplus is the
-        other common choice). Anything smooth: the divergence differentiates it.
+    - `activation`: applied between layers; `jax.nn.tanh` by default. Anything
+        smooth: the divergence differentiates it.
     - `zero_last`: initialise the last layer to output zero, so the flow starts at the
         identity map.
     - `context_dim`: for a conditional flow, the size of the context vector, which
@@ -166,15 +166,10 @@ class ConcatSquashMLP(eqx.Module):
             for i, o, k in zip(sizes[:-1], sizes[1:], keys)
         ]
         if zero_last:
-            last = layers[-1]
             layers[-1] = eqx.tree_at(
                 lambda m: (m.linear.weight, m.linear.bias, m.shift_weight),
-                last,
-                (
-                    jnp.zeros_like(last.linear.weight),
-                    jnp.zeros_like(last.linear.bias),
-                    jnp.zeros_like(last.shift_weight),
-                ),
+                layers[-1],
+                replace_fn=jnp.zeros_like,
             )
         self.layers = tuple(layers)
         self.activation = activation
@@ -202,22 +197,19 @@ class MLPField(eqx.Module):
     """A plain MLP vector field fed the state, sinusoidal features of time and the
     context: `f(t, y) = MLP([y, cos(k pi t), sin(k pi t) for k = 1..freqs, context])`.
 
-    This is cnftrace's default vector field. Time enters only at the input, as a few
-    smooth periodic features, rather than gating every layer as FFJORD's
-    [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP] does; per training step it learns
-    markedly more (see the docs' page on what buys quality). Callable as a diffrax
-    vector field `f(t, y, args)` on one sample `y` of shape `(dim,)`.
+    cnftrace's default vector field: time enters only at the input, rather than
+    gating every layer as FFJORD's [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]
+    does, which learns more per step (see the docs' quality page). Callable as a
+    diffrax vector field `f(t, y, args)` on one sample `y` of shape `(dim,)`.
 
     **Arguments:**
 
     - `dim`: the data dimension.
     - `width`: hidden width; by default it follows `dim`
-        ([`default_recipe`][cnftrace.default_recipe]: 64 up to 5 dimensions, 256 up
-        to 20, 512 beyond).
+        ([`default_recipe`][cnftrace.default_recipe]).
     - `depth`: number of hidden layers.
-    - `activation`: applied after every hidden layer; SiLU by default (it learned
-        twice as much per step as tanh on the docs' quality page). Anything smooth,
-        since the divergence differentiates it.
+    - `activation`: applied after every hidden layer; SiLU by default. Anything
+        smooth, since the divergence differentiates it.
     - `freqs`: the number of time frequencies `k = 1..freqs` (0 for none: an
         autonomous field).
     - `context_dim`: for a conditional flow, the size of the context vector, which
@@ -266,11 +258,7 @@ class MLPField(eqx.Module):
             )
         )
         width = default_width(dim) if width is None else check_int("width", width)
-        if not callable(activation):
-            raise TypeError(
-                f"`activation` must be a function such as `jax.nn.tanh`; got "
-                f"{activation!r}."
-            )
+        check_activation(activation)
         dtype = jnp.result_type(float) if dtype is None else dtype
         mlp = eqx.nn.MLP(
             dim + 2 * freqs + context_dim,
@@ -282,11 +270,10 @@ class MLPField(eqx.Module):
             dtype=dtype,
         )
         if zero_last:
-            last = mlp.layers[-1]
             mlp = eqx.tree_at(
                 lambda m: (m.layers[-1].weight, m.layers[-1].bias),
                 mlp,
-                (jnp.zeros_like(last.weight), jnp.zeros_like(last.bias)),
+                replace_fn=jnp.zeros_like,
             )
         self.mlp = mlp
         self.dim = dim

@@ -1,10 +1,4 @@
-"""Training objectives: what one training step minimises.
-
-An objective is a small Module with one method, `loss(flow, x, context, key,
-counter)`, returning the scalar to minimise and a dict of metrics for the history.
-[`Trainer`][cnftrace.Trainer] and [`fit`][cnftrace.fit] take any of them, so a new
-objective needs no change to the training loop.
-"""
+"""Training objectives: what one training step minimises."""
 
 import abc
 from typing import Any

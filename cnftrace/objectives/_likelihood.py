@@ -31,9 +31,8 @@ class MaximumLikelihood(AbstractObjective):
     - `kinetic_weight`, `jacobian_weight`: RNODE's weights, finite and `>= 0`.
     - `tolerance`: the solver's `rtol` and `atol` in training (`None`: each block's
         own). The default, looser than a flow's own, trains as well per step at
-        fewer evaluations (measured on the docs' quality page): the loss only has to
-        be good enough to follow downhill. The trained flow keeps its own, tighter
-        tolerances for `log_prob`, validation and sampling.
+        fewer evaluations (see the docs' quality page); the trained flow keeps its
+        own, tighter tolerances for `log_prob`, validation and sampling.
 
     The history records the NLL as `loss` and, when regularised, the batch means of
     the integrals as `kinetic` and `jacobian`.
@@ -80,15 +79,13 @@ class MaximumLikelihood(AbstractObjective):
         model = flow.with_estimator(self.estimator)
         if self.tolerance is not None:
             model = model.with_tolerance(self.tolerance, self.tolerance)
-        if not self.regularized:
-            logp, stats = model.batch_log_prob(x, key, counter, context=context)
-            nll = -jnp.mean(logp)
-            return nll, {"loss": nll, "stats": stats}
-        logp, reg, stats = model.batch_log_prob(
-            x, key, counter, context=context, regularize=True
+        out = model.batch_log_prob(
+            x, key, counter, context=context, regularize=self.regularized
         )
-        nll = -jnp.mean(logp)
-        kinetic, jacobian = jnp.mean(reg.kinetic), jnp.mean(reg.jacobian)
+        nll, stats = -jnp.mean(out[0]), out[-1]
+        if not self.regularized:
+            return nll, {"loss": nll, "stats": stats}
+        kinetic, jacobian = jnp.mean(out[1].kinetic), jnp.mean(out[1].jacobian)
         loss = nll + self.kinetic_weight * kinetic + self.jacobian_weight * jacobian
         metrics = {"loss": nll, "stats": stats, "kinetic": kinetic}
         return loss, metrics | {"jacobian": jacobian}

@@ -2,17 +2,10 @@
 ODE solve in the training step (Lipman et al. 2023; Tong et al. 2024).
 
 The time convention is the likelihood side's: a block maps data at `t0` to the base
-at `t1`. On the path time `s = (t - t0) / (t1 - t0)` in `[0, 1]`, a data point `x`
-and a standard-normal draw `e` are joined by the Gaussian path
-
-    x_s = (1 - s) x + (sigma + (1 - sigma) s) e,     u = d x_s / ds = (1 - sigma) e - x,
-
-so at `s = 1` the path is exactly the flow's standard-normal base, and at `s = 0` it
-is the data blurred by `N(0, sigma^2)`. The vector field is regressed onto `u`: its
-velocity in path time is `(t1 - t0) f(t, x_s)`. A chain of `k` blocks covers the path
-in `k` equal parts, block `i` the part `[i/k, (i+1)/k]`; a batch is split between the
-blocks (stratified in `s`), so a step costs one evaluation of a field per sample.
-"""
+at `t1`, and the path time is `s = (t - t0) / (t1 - t0)`, so the field's velocity in
+path time is `(t1 - t0) f(t, x_s)`. A chain of `k` blocks covers the path in `k`
+equal parts, block `i` the part `[i/k, (i+1)/k]`; a batch is split between the
+blocks (stratified in `s`), so a step costs one evaluation of a field per sample."""
 
 from typing import Literal
 
@@ -183,10 +176,6 @@ def flow_matching_loss(
     - `context`: for a conditional flow, one context row per sample (only with the
         independent coupling: an OT pairing across contexts would bias each
         context's base distribution).
-
-    **Returns:**
-
-    The loss, a scalar.
 
     !!! example
 

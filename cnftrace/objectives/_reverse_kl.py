@@ -1,17 +1,6 @@
 """Training toward a density known only up to its normaliser: the reverse KL
 divergence, estimated on samples drawn through the flow, optionally mixed with
-maximum likelihood on samples that exist.
-
-For a flow `q` and a target `p(x) = exp(log_target(x)) / Z`,
-
-    KL(q || p) = E_q[log q(x) - log_target(x)] + log Z.
-
-`log Z` does not depend on the flow, so the loss is `E_q[log q(x) - log_target(x)]`
-on a batch `x = T(z)` of base draws `z` mapped through the inverse flow, with `log q`
-from the same solve. Its gradient is the reparameterisation gradient through the
-solve's checkpointed adjoint. The divergence inside `log q` may be a Hutchinson
-estimate: the loss is linear in it, so the gradient stays unbiased.
-"""
+maximum likelihood on samples that exist."""
 
 from typing import Any
 
@@ -46,31 +35,24 @@ class ReverseKL(AbstractObjective):
     Each step draws `batch_size` base samples, maps them through the inverse flow
     with their log-density from the same solve, and minimises
     `mean(log q(x) - log_target(x))`, which is `KL(q || p) - log Z`: the history's
-    `loss` falls towards `-log Z`. Gradients flow through the solve (the checkpointed
-    adjoint by default) and through `log_target`'s gradient at the samples.
-    Minimising the reverse KL seeks modes: a flow that has missed a mode of the
-    target is not pushed towards it. [`importance_weights`][cnftrace.importance_weights]
-    measures what the trained flow covers; where samples of the target exist, a
-    `forward_weight` adds maximum likelihood on them, which covers every mode they
-    visit.
+    `loss` falls towards `-log Z`. The reverse KL seeks modes: a missed mode is not
+    pushed towards ([`importance_weights`][cnftrace.importance_weights] measures what
+    the flow covers); a `forward_weight` adds maximum likelihood on samples of the
+    target, which covers every mode they visit.
 
     **Arguments:**
 
-    - `log_target`: the unnormalised log-density, a JAX function from a batch of
-        samples `(n, *event_shape)` to `(n,)`, differentiable. It is checked (its
-        shape, dtype and gradient, on abstract values) before training starts.
+    - `log_target`: the unnormalised log-density, a differentiable JAX function
+        from a batch `(n, *event_shape)` to `(n,)`, checked on abstract values
+        before training starts.
     - `estimator`: the trace estimator in the training loss, one Rademacher
         [`Hutchinson`][cnftrace.Hutchinson] probe by default (unbiased for the
-        loss and its gradient); [`Exact`][cnftrace.Exact] costs `d` Jacobian-vector
-        products per evaluation and removes the probes' variance, worth it for a
-        few dimensions. Importance weights use the exact trace whatever is trained
-        with: a Hutchinson estimate of `log q` biases `exp(-log q)`.
-    - `stick_the_landing`: use the "sticking the landing" gradient (Roeder et al.
-        2017; for CNFs, Vaitl et al. 2022): `log q` is evaluated with the flow's
-        parameters held constant, so that the gradient has no score term and
-        vanishes sample by sample where `q = p`. It costs a second solve (the
-        samples back through the flow, with the log-determinant); the backward
-        evaluations are then not counted (`nfe_backward` is `-1`).
+        loss and its gradient); [`Exact`][cnftrace.Exact] removes the probes'
+        variance at `d` products per evaluation.
+    - `stick_the_landing`: the "sticking the landing" gradient (Roeder et al.
+        2017; Vaitl et al. 2022): `log q` with the flow's parameters held constant,
+        so the gradient vanishes sample by sample where `q = p`. It costs a second
+        solve; the backward evaluations are then not counted (`nfe_backward` -1).
     - `forward_weight`: a weight `w >= 0` on maximum likelihood: the loss is then
         `mean(log q(x) - log_target(x)) + w * NLL(data batch)`, and
         [`fit`][cnftrace.fit] needs `data`. With `0` (the default), `fit` takes

@@ -112,9 +112,8 @@ class ImportanceWeights(eqx.Module):
     samples drawn elsewhere.
 
     Samples whose `log_target` is not finite are counted (`nonfinite`) and reported
-    with a warning when the weights are made, never dropped: a `-inf` (the target
-    gives the sample zero density) is a weight of zero, which the estimates count as
-    such; a NaN or `+inf` makes every estimate NaN.
+    with a warning, never dropped: a `-inf` is a weight of zero; a NaN or `+inf`
+    makes every estimate NaN.
 
     **Arguments and fields:**
 
@@ -346,8 +345,7 @@ def importance_weights(
     - `key`: the PRNG key; chunk `i` uses `jax.random.fold_in(key, i)`.
     - `batch_size`: samples per solve; bounds the memory.
     - `estimator`: the trace estimator for `log q`, [`Exact`][cnftrace.Exact] by
-        default. A stochastic one biases the weights (their log-normaliser upwards),
-        which only the exact trace avoids.
+        default (a stochastic one biases the log-normaliser upwards).
     - `dtype`: the samples' dtype (JAX's default float if omitted).
     - `keep_samples`: keep the samples in the result (for
         [`expectation`][cnftrace.ImportanceWeights.expectation] of a function).

@@ -1,10 +1,4 @@
-"""Step-size error norms for solves over a batch of independent samples.
-
-A batched CNF solve integrates many independent ODEs in one state. Taking the RMS over
-the whole batch would let a few badly-resolved samples hide among many easy ones, so
-the norm here is the *maximum over samples of each sample's RMS*: every sample meets the
-tolerance, as if it had been solved on its own.
-"""
+"""Step-size error norms for solves over a batch of independent samples."""
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -26,10 +20,6 @@ def max_rms_norm(tree: PyTree[Array], batch_ndim: int = 1) -> Float[Array, ""]:
         must have the same `batch_ndim` leading (sample) dimensions; the RMS of a
         sample runs over all its entries in all leaves.
     - `batch_ndim`: how many leading dimensions index the samples.
-
-    **Returns:**
-
-    A non-negative scalar.
 
     !!! example
 
@@ -72,10 +62,6 @@ def max_rms_seminorm(tree: PyTree[Array], batch_ndim: int = 1) -> Float[Array, "
 
     - `tree`: the backward solve's state `(y, a_y, a_args, a_terms)`.
     - `batch_ndim`: how many leading dimensions of `y` and `a_y` index the samples.
-
-    **Returns:**
-
-    A non-negative scalar.
 
     !!! example
 

@@ -1,19 +1,12 @@
 """An explicit Runge-Kutta step whose stages run as one `lax.scan`.
 
-diffrax runs a Runge-Kutta step's stages as equinox's checkpointed while loop, nested
-inside the checkpointed loop over the steps. Reverse mode then traces every step's
-stages several times over (equinox finds which values carry cotangents by tracing the
-loop body until that settles, for the outer and the inner loop alike). A `lax.scan` is
-differentiated from its traced body (a jaxpr), without tracing the Python code again,
-so a CNF's gradient traces faster (measured in the docs' conventions).
-
-Each stage's evaluation of the vector field is rematerialised (`jax.checkpoint`): the
-backward pass evaluates it again, as diffrax's stage loop does, instead of storing
-its intermediate values for every stage, which made the gradient slower. The
-arithmetic is diffrax's: the same tableau, the same steps, error estimate
-and dense output (`k`, one row per stage); results differ from diffrax's own loop only
-in the order of floating-point additions.
-"""
+diffrax runs a step's stages as equinox's checkpointed while loop, nested inside the
+loop over the steps, and reverse mode traces every step's stages several times over;
+a `lax.scan` is differentiated from its traced body, so a CNF's gradient traces
+faster. Each stage's evaluation of the vector field is rematerialised
+(`jax.checkpoint`), as in diffrax's stage loop. The arithmetic is diffrax's (the same
+tableau, steps, error estimate and dense output); results differ from diffrax's own
+loop only in the order of floating-point additions."""
 
 import diffrax
 import jax

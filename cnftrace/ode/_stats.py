@@ -15,24 +15,19 @@ class SolveStats(eqx.Module):
 
     - `num_steps`: steps attempted (accepted and rejected).
     - `num_accepted`, `num_rejected`: their split.
-    - `nfe`: evaluations of the vector field (for the whole batch at once). For
-        explicit Runge--Kutta solvers this is counted exactly from the step count and
-        the solver's stages: `stages` per step (one fewer for first-same-as-last
-        solvers, plus the first evaluation) and one plain evaluation for the automatic
-        initial step (two for solvers that are not first-same-as-last, and with
-        `BacksolveAdjoint`, where also each rejection of the very first step costs an
-        uncounted evaluation); the tests check it against a count of real
-        evaluations. It is `-1` for solvers whose cost per step is not known.
+    - `nfe`: evaluations of the vector field (for the whole batch at once), counted
+        exactly for explicit Runge--Kutta solvers from the steps and the solver's
+        stages, with the initial step's plain evaluations (with `BacksolveAdjoint`,
+        rejections of the very first step are not counted); `-1` for solvers whose
+        cost per step is not known.
     - `result`: how each solve ended, a `diffrax.RESULTS` (`successful`, or
         `max_steps_reached` when the solver hit the block's `max_steps`, ...).
 
     Each field has shape `(blocks,)`, in the order data passes the blocks. Every
     flow method returns one with `return_stats=True`.
 
-    Solves never raise inside [`transform`][cnftrace.AbstractFlow.transform]: a
-    failure travels as `result`. The public methods (`log_prob`, `sample`, ...)
-    raise diffrax's message for it (an `equinox.error_if`, so under `jit` too);
-    [`fit`][cnftrace.fit] reads it from each step and stops with a
+    A failed solve travels as `result`: the public methods (`log_prob`, `sample`,
+    ...) raise diffrax's message for it, and [`fit`][cnftrace.fit] stops with a
     [`TrainingError`][cnftrace.TrainingError] naming the step.
 
     !!! example

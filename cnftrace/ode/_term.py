@@ -1,9 +1,4 @@
-"""A diffrax term for the instantaneous change of variables.
-
-For `dz/dt = f(t, z, args)`, the log-density along a trajectory changes as
-`d log p(z(t)) / dt = -tr(df/dz)` (Chen et al. 2018). `CNFTerm` augments any per-sample
-vector field `f` with that second component, for a batch of samples at once.
-"""
+"""A diffrax term for the instantaneous change of variables (see `CNFTerm`)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -22,16 +17,9 @@ class CNFArgs(eqx.Module):
     """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`: the user's own
     `args` for the vector field, and the probes drawn for this solve.
 
-    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args] rather than by
-    hand; its fields are:
-
-    - `args`: the vector field's own `args`, the same for every sample.
-    - `probes`: the probes drawn for this solve, shape `(*batch, num_probes,
-        *event)`, or `None` for deterministic estimators.
-    - `counter`: optional, a scalar whose gradient counts the backpropagated
-        evaluations of the term (see [`make_args`][cnftrace.CNFTerm.make_args]).
-    - `context`: optional, one context per sample (leading axes = the batch axes),
-        passed to the vector field of each sample as its `args` in place of `args`.
+    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args], whose
+    arguments are its fields, with `probes` the probes drawn for this solve, shape
+    `(*batch, num_probes, *event)`, or `None` for deterministic estimators.
 
     !!! example
 
@@ -126,17 +114,13 @@ class CNFTerm(ODETerm):
     \frac{d\,\text{jacobian}}{dt} = \lVert \partial f/\partial z \rVert_F^2,$$
 
     the Frobenius norm estimated from the *same* probes and Jacobian-vector products
-    as the divergence (`|J eps|^2`, exact with [`Exact`][cnftrace.Exact]), so they cost
-    no extra evaluations of `f`. Leave them out of the step-size control, e.g.
-    `norm=lambda y: cnftrace.max_rms_norm(y[:2])`, so that the solve takes the same
-    steps as without them.
+    as the divergence, so they cost no extra evaluations of `f`. Leave them out of
+    the step-size control (`norm=lambda y: cnftrace.max_rms_norm(y[:2])`).
 
     Probes are part of the solve's `args` (see
-    [`make_args`][cnftrace.CNFTerm.make_args]): they are drawn once per solve and
-    reused at every evaluation, so the ODE stays deterministic and adaptive solvers
-    keep their step counts. The term works with any diffrax solver, step-size
-    controller and adjoint. It is a `diffrax.ODETerm`, so solvers that ask for an ODE
-    term accept it.
+    [`make_args`][cnftrace.CNFTerm.make_args]): drawn once per solve and reused at
+    every evaluation, so the ODE stays deterministic. The term is a
+    `diffrax.ODETerm` and works with any diffrax solver, controller and adjoint.
 
     !!! example
 
@@ -191,11 +175,9 @@ class CNFTerm(ODETerm):
         - `z0`: the initial state, shape `(*batch, *event)`.
         - `key`: a PRNG key; required by stochastic estimators.
         - `args`: the vector field's own `args`, the same for every sample.
-        - `counter`: optional, a float scalar, usually `jnp.zeros(())`, to count
-            backward evaluations: the gradient of a loss with respect to it equals the
-            number of times reverse mode backpropagates through the term's vector
-            field (the backward NFE of a discrete adjoint such as diffrax's default
-            `RecursiveCheckpointAdjoint`). Its value never changes the solution.
+        - `counter`: optional, a float scalar (`jnp.zeros(())`) whose gradient
+            counts the times reverse mode backpropagates through the vector field
+            (the backward NFE of a discrete adjoint); it never changes the solution.
         - `context`: optional, a per-sample conditioning array whose leading axes
             are `z0`'s batch axes: each sample's vector field is then called as
             `f(t, z_i, context_i)` (and `args` must be `None`).

@@ -64,20 +64,16 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
 
     **Returns:**
 
-    The flow, ready for `log_prob`, `sample`, ...; with `return_info`, a pair
-    `(flow, info)`. A file or checkpoint that does not fit raises
-    [`CheckpointError`][cnftrace.CheckpointError], and so does a run directory
-    where any checkpoint holds other settings than `config.json` (edited after
-    training, or another run's checkpoint copied in), naming each differing
-    setting. A path that does not exist raises `FileNotFoundError`.
-
-    A run trained on the command line (`cnftrace train --run-dir runs/8g`) opens in
-    one line: `flow = cnftrace.load("runs/8g")`. A run on a data file that was
-    standardised (`cnftrace train --data points.csv`, the default) comes back as a
-    [`StandardizedFlow`][cnftrace.StandardizedFlow], so that `log_prob` and
+    The flow; with `return_info`, a pair `(flow, info)`. A run on a data file that
+    was standardised (`cnftrace train --data points.csv`, the default) comes back as
+    a [`StandardizedFlow`][cnftrace.StandardizedFlow], so that `log_prob` and
     `sample` work in the data's own units; `info["transform"]` is its
-    [`Standardization`][cnftrace.Standardization] (`None` where the run trained on
-    the data as it is).
+    [`Standardization`][cnftrace.Standardization].
+
+    A file or checkpoint that does not fit raises
+    [`CheckpointError`][cnftrace.CheckpointError], naming each differing setting,
+    and so does a run directory where any checkpoint holds other settings than
+    `config.json`. A path that does not exist raises `FileNotFoundError`.
 
     !!! example
 

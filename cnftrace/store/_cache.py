@@ -1,18 +1,5 @@
-"""JAX's persistent compilation cache, on for the command line, the demo and the tests.
-
-A new process otherwise compiles its training step, its `log_prob` and its sampler
-again (seconds each on a CPU). With the cache on, the first process writes each
-compiled program to disk and every later one with the same program (same flow
-structure, shapes, dtypes, jax and XLA versions) loads it instead.
-
-JAX reads an entry (`<program>-<key>-cache`, zlib- or zstd-compressed, beside its
-`-atime` file) without asking what kind of file it is, and nothing in it names its
-key: a FIFO hangs the read, a link to /dev/zero reads until memory runs out, and an
-entry copied over another key's file is run in its place (with other numbers inside
-and the same inputs, silently). So `enable_compilation_cache` checks the directory
-first, against the SHA-256 of each entry recorded when it was first seen (at the exit
-of the process that wrote it, or at the next start).
-"""
+"""JAX's persistent compilation cache, on for the command line, the demo and the tests,
+with its entries checked before JAX may run them (see `enable_compilation_cache`)."""
 
 import atexit
 import hashlib
@@ -68,38 +55,30 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turn on JAX's persistent compilation cache for this process, and return its
     directory (or `None` where it stays off).
 
-    - A directory already chosen for JAX (the environment variable
-        `JAX_COMPILATION_CACHE_DIR`, or `jax.config.update("jax_compilation_cache_dir",
-        ...)`) is kept as it is.
-    - Otherwise the cache goes to `path`, or to
+    - A directory already chosen for JAX (`JAX_COMPILATION_CACHE_DIR`, or
+        `jax.config.update("jax_compilation_cache_dir", ...)`) is kept as it is;
+        otherwise the cache goes to `path`, or to
         [`default_cache_dir()`][cnftrace.default_cache_dir] without one.
-    - `CNFTRACE_COMPILATION_CACHE=0` (or `off`, `false`, `no`) in the environment
-        leaves the cache off; so does a directory that cannot be created or written
-        to, or a bad entry that cannot be removed (with a warning of one line: nothing
-        but speed is lost; a directory chosen for JAX is then turned off too).
+    - `CNFTRACE_COMPILATION_CACHE=0` (or `off`, `false`, `no`) leaves the cache off;
+        so does a directory that cannot be created or written to, or a bad entry that
+        cannot be removed (with a one-line warning; a directory chosen for JAX is then
+        turned off too).
 
-    The directory is checked first, and a bad entry is deleted (only it and its
-    `-atime` file, inside the directory: a link is removed, never what it points to),
-    so that its program is compiled again; one line of warning counts them. An
-    entry is bad if it is not a regular file (a FIFO, a link, a directory), cannot be
-    read, or no longer has the SHA-256 recorded when it was first seen (damaged,
-    truncated, or another program's entry copied over it). The SHA-256s are in
-    `cnftrace-entries.json` in the directory: an entry is recorded at the exit of the
-    process that wrote it (an `atexit` hook this function registers) or, where that
-    process did not exit normally, at the next start, if it decompresses. The check
-    reads only entries that are new or whose inode, size, mtime or ctime changed. It
-    guards against accidents, not against someone who may write to the directory:
-    JAX runs what the cache holds, so keep it yours.
+    JAX runs whatever an entry holds and nothing in it names its key, so the
+    directory is checked first: an entry that is not a regular file, cannot be read,
+    or no longer has the SHA-256 recorded when it was first seen (in
+    `cnftrace-entries.json`, at the exit of the process that wrote it or at the next
+    start) is deleted, with its `-atime` file, and its program compiled again; one
+    line of warning counts them. Only entries that are new or whose inode, size,
+    mtime or ctime changed are read. It guards against accidents, not against
+    someone who may write to the directory.
 
     `cnftrace train`/`eval`/`sample`, `make demo` and the test suite call this at
-    start; call it yourself at the top of a script to get the same. Programs that
-    compile in less than 0.03 s are not stored, and the least recently used ones are
-    deleted beyond 2 GiB (JAX's `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and
-    `JAX_COMPILATION_CACHE_MAX_SIZE` override both). A compiled program is found
-    again only by a process with the same flow structure, shapes, dtypes and jax
-    version; one that holds a host callback (`jax.debug.print`, `eqx.error_if`) is
-    never stored: `fit`'s step and the flows' methods called on data hold none (see
-    `docs/training.md`, "Compiling once").
+    start. Programs that compile in under `MIN_COMPILE_SECONDS` are not stored, and
+    the least recently used are deleted beyond `MAX_BYTES` (JAX's
+    `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and `JAX_COMPILATION_CACHE_MAX_SIZE`
+    override both). A program that holds a host callback (`jax.debug.print`,
+    `eqx.error_if`) is never stored (see `docs/training.md`, "Compiling once").
 
     !!! example
 

@@ -1,15 +1,8 @@
-"""An exclusive lock on a directory, so that two processes never train into one.
-
-The lock is a file, `.lock`, holding its owner's pid, host and start time, and held
-with `flock`: the kernel releases it when the owner exits, however it exits, so a lock
-left behind by a killed process is stale and is taken over (and said so). Where the
-file system has no `flock`, a lock whose owner is a dead process on this host is taken
-over in the same way.
-
-Anything else in the place of the directory or of its lock file (a regular file where
-the directory should be, a FIFO or a directory named `.lock`) is refused by name,
-before anything is written: it is not this package's, and it is not removed.
-"""
+"""An exclusive lock on a directory, so that two processes never train into one: a
+file, `.lock`, holding its owner's pid, host and start time, held with `flock` (the
+kernel releases it when the owner exits, so a lock left by a killed process is taken
+over, and said so). Anything else in the place of the directory or its lock file is
+refused by name, before anything is written."""
 
 import errno
 import fcntl

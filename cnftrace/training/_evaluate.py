@@ -48,9 +48,7 @@ class NLL(eqx.Module):
 @eqx.filter_jit
 def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     """The log-density of a checked batch, its evaluations per solve and the first
-    failed solve's result: jitted once at module level so that repeated evaluations
-    (every chunk, every validation during `fit`) reuse the compiled code. It holds
-    no host callback (the caller checks the input and the result on the host), so
+    failed solve's result, with no host callback (the caller checks them), so that
     JAX's persistent compilation cache can store it."""
     logp, stats = model.batch_log_prob(x, key, context=context)
     return logp, stats.total_nfe, stats.first_failure()
@@ -85,14 +83,12 @@ def log_prob_batched(
 
     **Returns:**
 
-    The log-densities as a NumPy array of shape `(n,)` (gathered on the host, chunk
-    by chunk); with `return_nfe`, a pair `(log_prob, nfe)`. The samples are checked
-    on the host (NaN or inf raise a `ValueError`), and a failed solve raises a
-    [`SolverError`][cnftrace.SolverError] with diffrax's message: the compiled
-    program holds no host callback, so JAX's persistent compilation cache keeps it.
-    Host data (NumPy) given to a [`StandardizedFlow`][cnftrace.StandardizedFlow] is
-    standardised on the host in float64 first, and its inner flow evaluated (plus
-    the standardisation's log-determinant), so a large offset keeps its precision.
+    The log-densities as a NumPy array of shape `(n,)`; with `return_nfe`, a pair
+    `(log_prob, nfe)`. NaN or inf in `x` raise a `ValueError`, and a failed solve a
+    [`SolverError`][cnftrace.SolverError], both from the host (the compiled program
+    holds no host callback, so JAX's persistent cache keeps it). Host data given to
+    a [`StandardizedFlow`][cnftrace.StandardizedFlow] is standardised in float64
+    first.
 
     !!! example
 
@@ -147,22 +143,10 @@ def evaluate_nll(
     estimator: AbstractEstimator | None = None,
     key: Key | None = None,
 ) -> NLL:
-    """The test negative log-likelihood of `x` in nats, with its standard error.
-
-    **Arguments:**
-
-    - `flow`: any cnftrace flow.
-    - `x`: at least two samples, shape `(n, *event_shape)`.
-    - `context`: one row per sample, for a conditional flow (the NLL is then that of
-        `x` given its context).
-    - `batch_size`: samples per solve; bounds the memory.
-    - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default. Pass a
-        stochastic one (and a `key`) for large dimensions; its noise is then part of
-        the reported standard error.
-    - `key`: the PRNG key of a stochastic estimator.
-
-    The log-densities come from
-    [`log_prob_batched`][cnftrace.log_prob_batched], chunk by chunk.
+    """The test negative log-likelihood of `x` (at least two samples) in nats, with
+    its standard error, from the log-densities of
+    [`log_prob_batched`][cnftrace.log_prob_batched], whose arguments it takes (a
+    stochastic estimator's noise is then part of the standard error).
 
     **Returns:**
 

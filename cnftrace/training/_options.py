@@ -28,10 +28,8 @@ class Validation(eqx.Module):
 
     A validation replaces the best one only where its gain is clear: the mean of
     the per-sample log-density differences against the best one's exceeds
-    `significance` standard errors of that mean (a paired comparison). On a few
-    dozen held-out rows a lower NLL by chance is common, and keeping it would keep
-    an overfitted flow in place of the one it started as; on thousands of rows a
-    real gain is many standard errors, and the rule changes nothing.
+    `significance` standard errors of that mean (a paired comparison), so that a
+    lower NLL by chance on a few dozen held-out rows does not win.
 
     **Arguments:**
 
@@ -77,14 +75,11 @@ class Checkpoints(eqx.Module):
     anything that is not a regular file, are reported and skipped) and continues
     exactly as an uninterrupted run would.
 
-    The history is kept in a file of its own, `directory/history.jsonl` unless
-    `history` names another (one JSON record per logged step or validation), rather
-    than in every checkpoint: on resume it is cut back to the checkpoint's step, so
-    the history `fit` returns holds every step exactly once (a step's first record:
-    a later line never replaces it, and lines that are not records of a step are
-    skipped with one warning). While `fit` runs, it holds the directory's lock
-    (`directory/.lock`, with its pid and host): a second `fit` on the same directory
-    is refused, naming the first; a lock left by a killed process is taken over.
+    The history is kept in a file of its own (one JSON record per logged step or
+    validation), cut back to the checkpoint's step on resume, so the history `fit`
+    returns holds every step exactly once. While `fit` runs, it holds the
+    directory's lock (`directory/.lock`): a second `fit` on the same directory is
+    refused, naming the first; a lock left by a killed process is taken over.
 
     **Arguments:**
 

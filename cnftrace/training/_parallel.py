@@ -1,18 +1,9 @@
-"""Data-parallel training with JAX's own sharding.
-
-`fit(..., mesh=...)` keeps the parameters and the optimiser state replicated on every
-device of a `jax.sharding.Mesh` and splits each batch (its samples, contexts and, by
-propagation, the Hutchinson probes drawn per sample) over the mesh's devices. The
-compiler partitions the step: each device integrates its share of the batch, the
-step-size controller's max-over-samples norm becomes a cross-device max, and the
-gradient's mean over the batch a cross-device sum. The numbers are those of one device,
-up to the order of floating-point sums.
-
-Several processes (one per host) join through `jax.distributed.initialize`, called by
-the user before anything else touches JAX. Every process then runs the same program on
-the same data and key: each draws the same global batch and the sharding keeps only its
-devices' part. Only process 0 writes checkpoints and shows progress.
-"""
+"""Data-parallel training with JAX's own sharding: `fit(..., mesh=...)` keeps the
+parameters and the optimiser state replicated on every device of a mesh and splits
+each batch over them; the compiler partitions the step. Several processes join
+through `jax.distributed.initialize` and run the same program on the same data and
+key, each keeping its devices' part of the batch; only process 0 writes checkpoints
+and shows progress."""
 
 from collections.abc import Sequence
 from typing import Literal
