@@ -44,9 +44,7 @@ def _closed_form_rate(step, spent):
 
 
 @pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, "10", True])
-def test_a_budget_that_is_not_a_positive_finite_number_is_refused(
-    flow, tmp_path, bad
-):
+def test_a_budget_that_is_not_a_positive_finite_number_is_refused(flow, tmp_path, bad):
     directory = tmp_path / "checkpoints"
     with pytest.raises(ValueError, match="`seconds` is the training time budget"):
         _fit(flow, seconds=bad, checkpoints=directory)
@@ -108,9 +106,7 @@ def test_a_resumed_budget_goes_on_with_the_seconds_it_had_left(flow, tmp_path):
     # The schedule goes on too: step 31 is the 31st of the warmup, not the first.
     step, spent = np.asarray(resumed["step"]), np.asarray(resumed["budget_spent"])
     assert step[30] == 31 and spent[30] >= spent[29]
-    np.testing.assert_allclose(
-        resumed["lr"], _closed_form_rate(step, spent), rtol=1e-6
-    )
+    np.testing.assert_allclose(resumed["lr"], _closed_form_rate(step, spent), rtol=1e-6)
     # A spent budget trains no more; another budget is another run.
     _, again = _fit(flow, seconds=BUDGET, checkpoints=checkpoints)
     assert again["step"] == resumed["step"]

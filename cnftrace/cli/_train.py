@@ -82,8 +82,9 @@ def cmd_train(args) -> int:
             print(f"recipe: {config.recipe}", flush=True)
         _write_config(config)
         history, start = _train(config, source, flow, settings)
-        if history["seconds"]:  # the run's training seconds, in config.json too
-            config = dataclasses.replace(config, seconds=history["seconds"][-1])
+        seconds = history.get("seconds")  # the run's training seconds, kept
+        if seconds:  # in config.json too
+            config = dataclasses.replace(config, seconds=seconds[-1])
             path = os.path.join(config.run_dir, "config.json")
             atomic_write(path, json.dumps(config.stored(), indent=2).encode())
     done, loss = _last_step(config, history)
