@@ -89,6 +89,7 @@ from .training import (
     TrainingError as TrainingError,
     TrainState as TrainState,
     Validation as Validation,
+    budget_cosine_adam as budget_cosine_adam,
     data_mesh as data_mesh,
     evaluate_nll as evaluate_nll,
     fit as fit,

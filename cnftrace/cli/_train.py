@@ -45,11 +45,18 @@ from ._data import as_pinned, changed_data_settings, changed_files, training_sou
 def cmd_train(args) -> int:
     config = run_config(args).resolved()  # checked by `check_args`
     check_run_dir(config.run_dir)
+    if config.minutes is not None and config.distributed:
+        raise UsageError(
+            "--minutes stops on one process's clock, which the other processes do "
+            "not share: train a --distributed run for --steps."
+        )
     mesh = _training_mesh(config)
     # Every data file is read and checked here, before anything is written.
     source, pinned = training_source(config)
     existing = _existing_run(config.run_dir)
     config = as_pinned(dataclasses.replace(config, **pinned), existing)
+    if existing is not None:  # the seconds it has trained, until it stops again
+        config = dataclasses.replace(config, seconds=existing.seconds)
     # What the default recipe leaves to the data: its dimension and training rows.
     rows = None if source.reference is None else int(source.reference.shape[0])
     config = config.for_data(source.dim, rows, existing)
@@ -75,8 +82,17 @@ def cmd_train(args) -> int:
             print(f"recipe: {config.recipe}", flush=True)
         _write_config(config)
         history, start = _train(config, source, flow, settings)
+        seconds = history.get("seconds")  # the run's training seconds, kept
+        if seconds:  # in config.json too
+            config = dataclasses.replace(config, seconds=seconds[-1])
+            path = os.path.join(config.run_dir, "config.json")
+            atomic_write(path, json.dumps(config.stored(), indent=2).encode())
     done, loss = _last_step(config, history)
-    stopped = "" if done >= config.steps else f" (stopped early, of {config.steps})"
+    stopped = ""
+    if config.minutes is not None:
+        stopped = f" in {config.seconds or 0:.0f} s of {config.minutes:g} minutes"
+    elif done < config.steps:
+        stopped = f" (stopped early, of {config.steps})"
     if start is None:
         print(f"{config.run_dir} had already trained {done} steps{stopped}; {loss}")
     else:
@@ -198,8 +214,9 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
         if start is None:
             start = record["step"] - 1
         if not tty and record["step"] % config.print_every == 0:
+            of = "" if config.steps is None else f"/{config.steps}"
             print(
-                f"step {record['step']:>7}/{config.steps}  loss {record['loss']:.4f}"
+                f"step {record['step']:>7}{of}  loss {record['loss']:.4f}"
                 f"  nfe {record['nfe']}/{record['nfe_backward']} (fwd/bwd)"
                 f"  {record['seconds']:.1f}s",
                 flush=True,
@@ -225,6 +242,7 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
         flow,
         source.train,
         steps=config.steps,
+        seconds=None if config.minutes is None else 60 * config.minutes,
         batch_size=config.batch_size,
         validation=validation,
         checkpoints=checkpoints,
@@ -236,7 +254,14 @@ def _train(config: RunConfig, source, flow, settings) -> tuple[dict, int | None]
 
 
 def _other_steps(old: RunConfig, new: RunConfig) -> str:
-    """Why `--steps` cannot change on a run, and what trains it for longer."""
+    """Why `--steps` (or `--minutes`) cannot change on a run, and what trains it for
+    longer."""
+    if old.minutes != new.minutes:
+        return (
+            " --minutes is part of a run: its learning rate follows a cosine schedule "
+            f"over its {old.minutes} minutes, and the same command resumes it with "
+            "the minutes it has left. To train longer, use a new --run-dir."
+        )
     if old.steps == new.steps:
         return ""
     return (
@@ -253,4 +278,5 @@ def _last_step(config: RunConfig, history: dict) -> tuple[int, str]:
     back from metrics.jsonl when the run had finished)."""
     if history["step"]:
         return history["step"][-1], f"final loss {history['loss'][-1]:.4f}"
-    return config.steps, "no final loss: the run's history file, metrics.jsonl, is gone"
+    done = config.steps or 0
+    return done, "no final loss: the run's history file, metrics.jsonl, is gone"

@@ -8,7 +8,7 @@ from ..estimators import AbstractEstimator, Exact, Hutchinson
 from ..flows import AbstractBase, AbstractFlow, mlp_flow
 from ..flows._base_fit import base_template
 from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
-from ..training import warmup_cosine_adam
+from ..training import budget_cosine_adam, warmup_cosine_adam
 from ._config import RunConfig
 
 
@@ -49,6 +49,12 @@ def run_standardization(config: RunConfig) -> Standardization | None:
 
 
 def run_optimizer(config: RunConfig):
+    """The schedule over the run's `minutes` where it has them, else over its
+    `steps`."""
+    if config.minutes is not None:
+        return budget_cosine_adam(
+            config.lr, clip=config.clip, weight_decay=config.weight_decay
+        )
     return warmup_cosine_adam(
         config.steps, config.lr, clip=config.clip, weight_decay=config.weight_decay
     )

@@ -31,8 +31,8 @@ from ..store._checkpoint import same_value
 from ._settings import by_data, setting
 
 # Stored settings that only describe the others (what the default recipe chose, and
-# why): never compared on resume, nor with a checkpoint.
-DERIVED = ("recipe",)
+# why) or the run (its seconds): never compared on resume, nor with a checkpoint.
+DERIVED = ("recipe", "seconds")
 GROUPS = ("data", "model", "training", "run")
 # The built-in sets that are tables of rows (a base can be fitted to them).
 TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
@@ -206,10 +206,19 @@ class RunConfig:
     steps: int | None = setting(
         None,
         _TRAINING,
-        "total optimiser steps",
-        shown=by_data("steps"),
+        "total optimiser steps (with --minutes, a cap on them)",
+        shown=f"{by_data('steps')}; with --minutes none",
         low=1,
         type=int,
+    )
+    minutes: float | None = setting(
+        None,
+        _TRAINING,
+        "train for this many minutes (validation and checkpoints not counted) on a "
+        "cosine schedule over them; the same command resumes with the minutes left",
+        shown="none: train for --steps",
+        check="positive",
+        type=float,
     )
     batch_size: int | None = setting(
         None,
@@ -272,9 +281,10 @@ class RunConfig:
         type=int,
     )
     seed: int = setting(0, _TRAINING, "seed of the initialisation and the batches")
-    # What the default recipe chose for the data, and why (a line the command
-    # prints); derived from the other settings, so never compared on resume.
+    # Derived, so never compared on resume: what the default recipe chose for the
+    # data, and why (a line the command prints); the run's training seconds so far.
     recipe: str | None = setting(None, _TRAINING, None, flag=False)
+    seconds: float | None = setting(None, _TRAINING, None, flag=False)
     # The run.
     run_dir: str = setting(
         None, _RUN, "directory of this run", stored=False, required=True
@@ -443,15 +453,15 @@ class RunConfig:
         return self.data == "-" or bool(os.path.splitext(self.data)[1])
 
     def resolved(self) -> "RunConfig":
-        """The settings left to the data filled in: the steps and the batch size by
-        data set (`cnftrace._defaults.cli_training`), early stopping (after
-        `CLI_PATIENCE` validations without improvement) for a data file and the
-        sets of `--data-dir`, never for the other built-in sets, and the field's
-        own activation."""
+        """The settings left to the data filled in: the steps (none with `minutes`)
+        and the batch size by data set (`_defaults.cli_training`), early stopping
+        (after `CLI_PATIENCE` validations without improvement) for a data file and
+        the sets of `--data-dir`, never for the other built-in sets, the activation."""
         values = {
             name: value
             for name, value in cli_training(self.data).items()
             if getattr(self, name) is None
+            and not (name == "steps" and self.minutes is not None)  # no cap
         }
         if self.patience is None:
             built_in = isinstance(self.data, str) and self.data in ALL_DATASETS

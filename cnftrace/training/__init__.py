@@ -8,7 +8,10 @@ from ._evaluate import (
     log_prob_batched as log_prob_batched,
 )
 from ._fit import fit as fit
-from ._optim import warmup_cosine_adam as warmup_cosine_adam
+from ._optim import (
+    budget_cosine_adam as budget_cosine_adam,
+    warmup_cosine_adam as warmup_cosine_adam,
+)
 from ._options import Checkpoints as Checkpoints, Validation as Validation
 from ._parallel import data_mesh as data_mesh
 from ._state import TrainingError as TrainingError, TrainState as TrainState

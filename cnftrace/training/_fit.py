@@ -3,8 +3,8 @@ progress around it."""
 
 import contextlib
 import functools
+import itertools
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +17,9 @@ import optax
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
-from .._checks import check_context, check_int, check_samples
+from .._checks import check_int
 from .._custom_types import Key
 from .._defaults import BATCH_SIZE, MAX_FAILURES, STEPS
-from ..estimators import Exact
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective, ReverseKL
 from ..store import CheckpointError, _history
@@ -30,9 +29,10 @@ from ..store._checkpoint import (
     save_checkpoint,
 )
 from ..store._lock import DirectoryLock
+from ._budget import Clock, budget_states, check_seconds, with_spent
 from ._evaluate import log_prob_batched
 from ._optim import default_optimizer
-from ._options import Checkpoints, Validation
+from ._options import Checkpoints, Validation, checked_arguments, checked_validation
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
 from ._trainer import DataSource, Trainer, jitted_step_donating
@@ -43,13 +43,17 @@ def checkpoint_config(
     batch_size: int,
     objective: AbstractObjective,
     config: dict[str, Any] | None,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
     """The config `fit` stores in (and checks against) its checkpoints: the user's
-    `config` plus what `fit` itself knows, under `fit.`-prefixed keys."""
+    `config` plus what `fit` itself knows, under `fit.`-prefixed keys (the time
+    budget where there is one: its schedule is part of the run)."""
+    budget = {} if seconds is None else {"fit.seconds": seconds}
     return {
         **(config or {}),
         "fit.batch_size": batch_size,
         "fit.event_shape": list(flow.event_shape),
+        **budget,
         **objective.config(),
     }
 
@@ -69,7 +73,8 @@ def fit(
     *,
     key: Key,
     target: Callable[[Array], Array] | None = None,
-    steps: int = STEPS,
+    steps: int | None = None,
+    seconds: float | None = None,
     batch_size: int = BATCH_SIZE,
     objective: str | AbstractObjective = "mle",
     optimizer: optax.GradientTransformation | None = None,
@@ -110,7 +115,15 @@ def fit(
         samples the flow draws itself, one Hutchinson probe); build a `ReverseKL`
         for its other settings (the exact trace, "sticking the landing", a mix with
         maximum likelihood on data). Give no `data` and no `objective` with it.
-    - `steps`: the total number of optimiser steps (a resumed run stops there too).
+    - `steps`: the total number of optimiser steps (a resumed run stops there too);
+        1000 by default. With `seconds`, a cap on the steps (`None`: none).
+    - `seconds`: a time budget: train until this many seconds of training are
+        spent (the step that passes it is the last), on a schedule over the budget
+        ([`budget_cosine_adam`][cnftrace.budget_cosine_adam]`(3e-3)` by default;
+        your own `optimizer` keeps its schedule). Training seconds count the steps
+        and their compilation, not validation nor writing checkpoints; they are
+        stored in the checkpoints, so a resumed run goes on with the seconds it had
+        left and its schedule where it stopped. A positive finite number.
     - `batch_size`: samples per step.
     - `objective`: what to minimise: `"mle"` (the default), maximum likelihood
         through the ODE solve with one Rademacher Hutchinson probe, that is
@@ -121,8 +134,9 @@ def fit(
         optimal-transport pairing (see [`FlowMatching`][cnftrace.FlowMatching]); or
         any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
         keeps the flow's own estimator (for evaluation).
-    - `optimizer`: an optax optimiser. By default Adam on a schedule over the run's
-        `steps` ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`):
+    - `optimizer`: an optax optimiser. By default (without `seconds`) Adam on a
+        schedule over the run's `steps`
+        ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`):
         a linear warmup to 3e-3 over the first `min(50, steps // 4)` steps, a cosine
         decay to 1.5e-4 at the last step, and gradients clipped at a global norm of
         10.
@@ -166,8 +180,10 @@ def fit(
 
     `(flow, history)`: the trained flow and a dict of lists: `step`, `loss`, `nfe`
     (forward evaluations per step), `nfe_backward` (backward evaluations, `-1` where
-    not counted, e.g. with `diffrax.BacksolveAdjoint`), `seconds`, `skipped`, the
-    objective's own metrics (`kinetic`, `jacobian` when regularised), and
+    not counted, e.g. with `diffrax.BacksolveAdjoint`), `seconds` (training
+    seconds), `skipped`, the objective's own metrics (`kinetic`, `jacobian` when
+    regularised), with a budget `budget` (its seconds), `budget_spent` (the share
+    spent when the step began) and the rate `lr` of the budget's schedule, and
     `val_step`, `val_nll`, `val_stderr`.
 
     !!! example
@@ -184,30 +200,44 @@ def fit(
         print(history["loss"][-1], history["nfe"][-1])
         ```
     """
-    steps = check_int("steps", steps)
+    seconds = check_seconds(seconds)
+    if seconds is None and steps is None:
+        steps = STEPS
+    steps = None if steps is None else check_int("steps", steps)
+    if seconds is not None and jax.process_count() > 1:
+        raise ValueError(
+            "`seconds` stops on this process's clock, which the other processes do "
+            "not share: train a multi-process run for a number of `steps`."
+        )
     log_every = check_int("log_every", log_every)
     max_failures = check_int("max_failures", max_failures)
-    checkpoints = _checked_arguments(flow, checkpoints)
+    checkpoints = checked_arguments(flow, checkpoints)
     objective = _objective_of(target, objective, data)
     trainer = Trainer(
         data,
         key=key,
         objective=objective,
-        optimizer=default_optimizer(steps) if optimizer is None else optimizer,
+        optimizer=default_optimizer(steps, seconds) if optimizer is None else optimizer,
         batch_size=batch_size,
         context=context,
         mesh=mesh,
     )
     state = trainer.init(flow)
+    if seconds is None and budget_states(state.opt_state):
+        raise ValueError(
+            "the optimiser's schedule follows a time budget (budget_cosine_adam), "
+            "and `seconds` is None: pass `seconds=`, or use warmup_cosine_adam."
+        )
     if validation is not None and not isinstance(validation, Validation):
         validation = Validation(validation)
     if validation is not None:
-        validation = _checked_validation(validation, flow)
+        validation = checked_validation(validation, flow)
     lock = contextlib.nullcontext()
     if checkpoints is not None and checkpoints.lock and is_main_process():
         lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
     with lock:
-        loop = _Loop(trainer, state, steps, validation, checkpoints, flow, key)
+        length = (steps, seconds)
+        loop = _Loop(trainer, state, length, validation, checkpoints, flow, key)
         try:
             return loop.run(max_failures, progress, log_every, on_log)
         finally:
@@ -232,53 +262,6 @@ def _objective_of(target, objective, data) -> str | AbstractObjective:
     return ReverseKL(target)
 
 
-def _checked_arguments(flow, checkpoints) -> Checkpoints | None:
-    """A `TypeError` naming `flow` or `checkpoints` where it is of another kind;
-    `checkpoints` as a `Checkpoints` (or `None`)."""
-    if not isinstance(flow, AbstractFlow):
-        raise TypeError(
-            "`flow` must be a cnftrace flow (an AbstractFlow: a CNF, a Chain, a "
-            f"MultiscaleFlow, ...); got {type(flow).__name__} {flow!r:.80}. Build one "
-            "with cnftrace.CNF(field, dim) or cnftrace.mlp_flow(dim, key=...)."
-        )
-    if checkpoints is None or isinstance(checkpoints, Checkpoints):
-        return checkpoints
-    if isinstance(checkpoints, (str, os.PathLike)):
-        directory = os.fspath(checkpoints)
-        if isinstance(directory, str):
-            return Checkpoints(directory)
-    raise TypeError(
-        "`checkpoints` must be a cnftrace.Checkpoints or a directory path (a str or "
-        f"a pathlib.Path); got {type(checkpoints).__name__} {checkpoints!r:.80}."
-    )
-
-
-def _checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
-    data = check_samples(validation.data, "validation", flow.event_shape)
-    if data.shape[0] < 2:
-        raise ValueError(
-            f"`validation` holds {data.shape[0]} sample; a validation NLL needs at "
-            "least 2 (for its standard error): hold out more samples."
-        )
-    context = check_context(
-        validation.context,
-        flow.context_dim,
-        data.shape[0],
-        name="validation.context",
-        broadcast=False,
-        host=True,
-    )
-    estimator = Exact() if validation.estimator is None else validation.estimator
-    return Validation(
-        data,
-        context,
-        validation.every,
-        validation.patience,
-        estimator,
-        validation.significance,
-    )
-
-
 def _say_lost_history(path: str, step: int, steps: list[int], logged: int) -> None:
     """One line on stderr where the history file of a run resumed at `step` lacks
     the record of `logged`, the last step up to it that was logged (deleted, or cut
@@ -300,8 +283,9 @@ class _Loop:
     """`fit`'s host side: the state between steps, the history, the best
     parameters, validation and checkpoints."""
 
-    def __init__(self, trainer, state, steps, validation, checkpoints, flow, key):
-        self.trainer, self.steps, self.key = trainer, steps, key
+    def __init__(self, trainer, state, length, validation, checkpoints, flow, key):
+        self.trainer, self.key = trainer, key
+        self.steps, self.budget = length  # a cap (or None) and seconds (or None)
         self.validation, self.checkpoints = validation, checkpoints
         self.main_process = is_main_process()
         self.history = _history.empty_history()
@@ -311,6 +295,7 @@ class _Loop:
             trainer.batch_size,
             trainer.objective,
             None if checkpoints is None else checkpoints.config,
+            self.budget,
         )
         self.log = _history.Log(None)
         self.resumed = None  # (the history file, the step) of a resumed run
@@ -386,14 +371,17 @@ class _Loop:
         return self.trainer.placed(state), self.trainer.placed(best)
 
     def run(self, max_failures, progress, log_every, on_log):
-        first_step, steps = int(self.state.step), self.steps
+        first_step, steps, budget = int(self.state.step), self.steps, self.budget
         if self.resumed is not None and self.main_process:
             path, step = self.resumed
             logged = step if step == steps else step - step % log_every
             _say_lost_history(path, step, self.history["step"], logged)
-        start = time.perf_counter() - self.elapsed
+        self.clock = clock = Clock(self.elapsed)
+        todo = range(first_step, steps) if steps else itertools.count(first_step)
+        if budget is not None and self.elapsed >= budget:
+            todo = range(0)  # the budget was spent before the resume
         bar = tqdm(
-            range(first_step, steps),
+            todo,
             initial=first_step,
             total=steps,
             disable=not (progress and self.main_process),
@@ -430,7 +418,7 @@ class _Loop:
             raise_for_failures(counters, self.state.flow, failures)
             if not (log or validate):
                 return
-            record = self._record(done, info, counters, start)
+            record = self._record(done, info, counters)
             if log:
                 self._append(record)
             if validate:
@@ -444,36 +432,45 @@ class _Loop:
                         nfe=f"{record['nfe']}/{record['nfe_backward']}",
                     )
 
+        previous = None  # with a budget, the last step's info: the clock waits for it
         try:
             for i in bar:
                 done = i + 1
+                if budget is not None:  # the schedule's share of the budget spent
+                    spent = clock() / budget
+                    self.state = with_spent(self.state, spent)
                 self.state, info = jitted_step_donating(self.trainer, self.state)
+                if budget is not None:
+                    info = dict(info, budget=budget, budget_spent=spent)
                 if pending is not None:
-                    last, pending = pending, None
-                    finish(*last)
-                log_now = done % log_every == 0 or done == steps
-                checkpoint_now = every is not None and (
-                    done % every == 0 or done == steps
-                )
+                    before, pending = pending, None
+                    finish(*before)
+                # With a budget, the step the clock passes it in (the one before
+                # this, done) makes this one the last.
+                jax.block_until_ready(previous)
+                last = done == steps or (budget is not None and clock() >= budget)
+                previous = None if budget is None else info
+                log_now = done % log_every == 0 or last
+                checkpoint_now = every is not None and (done % every == 0 or last)
                 validate_now = self.validation is not None and (
-                    done % self.validation.every == 0 or done == steps
+                    done % self.validation.every == 0 or last
                 )
                 if not (log_now or checkpoint_now or validate_now):
                     continue
-                if not (
-                    checkpoint_now or validate_now or i == first_step or done == steps
-                ):
+                if not (checkpoint_now or validate_now or i == first_step or last):
                     pending = (done, info, StepCounters.copied(self.state))
                     continue
                 # Host syncs only where something is logged, saved or validated.
                 counters = StepCounters.of(self.state)
                 finish(done, info, counters, log=log_now, validate=validate_now)
                 if checkpoint_now:
-                    self._save(done, start)
+                    self._save(done)
                 patience = None if self.validation is None else self.validation.patience
                 if patience is not None and self._validations_since_best() >= patience:
                     if every is not None and not checkpoint_now:
-                        self._save(done, start)
+                        self._save(done)
+                    break
+                if last:
                     break
         except BaseException:
             # An interrupted run still records the step it had finished.
@@ -489,14 +486,14 @@ class _Loop:
             return eqx.combine(self.best, static), self.history
         return self.state.flow, self.history
 
-    def _record(self, done: int, info: dict, counters, start: float) -> dict[str, Any]:
+    def _record(self, done: int, info: dict, counters) -> dict[str, Any]:
         """Step `done`'s record from its `info` and `counters`, on the host."""
         record = {
             "step": done,
             "loss": float(info["loss"]),
             "nfe": int(info["nfe"]),
             "nfe_backward": int(info["nfe_backward"]),
-            "seconds": time.perf_counter() - start,
+            "seconds": self.clock(),
             "skipped": int(counters.skipped),
         }
         extra = {k: float(v) for k, v in info.items() if k not in record}
@@ -529,6 +526,10 @@ class _Loop:
         return np.asarray(rows, np.float64)
 
     def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
+        with self.clock.paused():
+            return self._validated(done, record)
+
+    def _validated(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
         rows = self._val_rows(self.state.flow, done)
         mean = float(-rows.mean())
         stderr = float(rows.std(ddof=1) / np.sqrt(rows.size))
@@ -569,9 +570,14 @@ class _Loop:
             return 0
         return sum(step > self.best_step for step in self.history["val_step"])
 
-    def _save(self, done: int, start: float) -> None:
+    def _save(self, done: int) -> None:
         if not self.main_process:
             return
+        seconds = self.clock()
+        with self.clock.paused():
+            self._write_checkpoint(done, seconds)
+
+    def _write_checkpoint(self, done: int, seconds: float) -> None:
         params = _params(self.state.flow)
         best = self.best if self.validation is not None else params
         state = (params, self.state.opt_state, key_to_data(self.key), best)
@@ -584,7 +590,7 @@ class _Loop:
             keep=self.checkpoints.keep,
             extra={
                 "skipped": int(self.state.skipped),
-                "seconds": round(time.perf_counter() - start, 3),
+                "seconds": round(seconds, 3),
                 "best_step": self.best_step,
             },
         )

@@ -1,5 +1,5 @@
-"""The optimiser of `fit` and the command line: Adam on a warmup-cosine schedule,
-gradients clipped."""
+"""The optimiser of `fit` and the command line: Adam on a warmup-cosine schedule
+(over the run's steps, or over its time budget), gradients clipped."""
 
 import jax
 import optax
@@ -7,11 +7,16 @@ import optax
 from .._checks import check_int
 from .._defaults import CLIP, CONSTANT_LR, LR, LR_END_DIVISOR, WARMUP
 from ..flows import AbstractBase
+from ._budget import scale_by_budget
 
 
-def default_optimizer(steps: int | None) -> optax.GradientTransformation:
+def default_optimizer(
+    steps: int | None, seconds: float | None = None
+) -> optax.GradientTransformation:
     """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
-    length where known (`fit` passes it), for a schedule.
+    length where known (`fit` passes it), for a schedule; `seconds`: its time
+    budget, if it has one, for a schedule over it
+    ([`budget_cosine_adam`][cnftrace.budget_cosine_adam]).
 
     For a run of known length, Adam with a short warmup to 3e-3 and a cosine decay to
     1.5e-4 at the last step, gradients clipped at a global norm of 10
@@ -20,6 +25,8 @@ def default_optimizer(steps: int | None) -> optax.GradientTransformation:
     length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate
     measured there.
     """
+    if seconds is not None:
+        return budget_cosine_adam(LR)
     if steps is None:
         return optax.adam(CONSTANT_LR)
     return warmup_cosine_adam(steps, LR)
@@ -71,6 +78,49 @@ def warmup_cosine_adam(
         else optax.adam(schedule)
     )
     return adam if clip is None else optax.chain(optax.clip_by_global_norm(clip), adam)
+
+
+def budget_cosine_adam(
+    lr: float,
+    *,
+    warmup: int = WARMUP,
+    end_factor: float | None = None,
+    clip: float | None = CLIP,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformation:
+    """[`warmup_cosine_adam`][cnftrace.warmup_cosine_adam] over a time budget rather
+    than a number of steps: the optimiser of [`fit`][cnftrace.fit]`(...,
+    seconds=...)`. The rate at step `count` (0-based), with the share `spent` of the
+    budget gone when the step began, is
+
+        min(lr * count / warmup, end + (lr - end) * (1 + cos(pi * min(spent, 1))) / 2)
+
+    with `end = end_factor * lr` (`lr / 20` by default): a linear warmup over
+    `warmup` steps, and a cosine decay from `lr` to `end` as the budget is spent,
+    whichever is lower. `fit` writes `spent` into the optimiser's state before each
+    step, so the rate follows the clock without compiling again, and a resumed run
+    goes on where its schedule stopped; its history records each step's rate
+    (`lr`). Without `seconds` `fit` refuses it: nothing would spend the budget.
+
+    **Arguments:** as for `warmup_cosine_adam`, less the horizon.
+
+    !!! example
+
+        ```python
+        optimizer = cnftrace.budget_cosine_adam(2e-3)
+        # cnftrace.fit(flow, data, key=key, seconds=600, optimizer=optimizer)
+        ```
+    """
+    warmup = check_int("warmup", warmup)
+    end = lr / LR_END_DIVISOR if end_factor is None else lr * end_factor
+    # `optax.adam` and `optax.adamw`, with the budget's rate in place of theirs.
+    parts = [optax.scale_by_adam()]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay, _outside_bases))
+    parts.append(scale_by_budget(lr, warmup, end))
+    if clip is not None:
+        parts.insert(0, optax.clip_by_global_norm(clip))
+    return optax.chain(*parts)
 
 
 def _outside_bases(params):

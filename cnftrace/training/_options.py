@@ -1,6 +1,6 @@
 """`fit`'s option classes: `Validation` (held-out data, how often, when to stop,
 which gain counts) and `Checkpoints` (where, how often, how many, under which
-config)."""
+config), and `fit`'s checks of them."""
 
 import os
 from collections.abc import Callable
@@ -9,9 +9,10 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import Array, Float
 
-from .._checks import check_int, check_weight
-from ..estimators import AbstractEstimator
+from .._checks import check_context, check_int, check_samples, check_weight
+from ..estimators import AbstractEstimator, Exact
 from ..estimators._base import check_estimator
+from ..flows import AbstractFlow
 from ..store._history import HISTORY_NAME
 
 
@@ -121,3 +122,50 @@ class Checkpoints(eqx.Module):
         if self.history is None:
             return os.path.join(self.directory, HISTORY_NAME)
         return self.history
+
+
+def checked_arguments(flow, checkpoints) -> Checkpoints | None:
+    """A `TypeError` naming `flow` or `checkpoints` where it is of another kind;
+    `checkpoints` as a `Checkpoints` (or `None`)."""
+    if not isinstance(flow, AbstractFlow):
+        raise TypeError(
+            "`flow` must be a cnftrace flow (an AbstractFlow: a CNF, a Chain, a "
+            f"MultiscaleFlow, ...); got {type(flow).__name__} {flow!r:.80}. Build one "
+            "with cnftrace.CNF(field, dim) or cnftrace.mlp_flow(dim, key=...)."
+        )
+    if checkpoints is None or isinstance(checkpoints, Checkpoints):
+        return checkpoints
+    if isinstance(checkpoints, (str, os.PathLike)):
+        directory = os.fspath(checkpoints)
+        if isinstance(directory, str):
+            return Checkpoints(directory)
+    raise TypeError(
+        "`checkpoints` must be a cnftrace.Checkpoints or a directory path (a str or "
+        f"a pathlib.Path); got {type(checkpoints).__name__} {checkpoints!r:.80}."
+    )
+
+
+def checked_validation(validation: Validation, flow: AbstractFlow) -> Validation:
+    data = check_samples(validation.data, "validation", flow.event_shape)
+    if data.shape[0] < 2:
+        raise ValueError(
+            f"`validation` holds {data.shape[0]} sample; a validation NLL needs at "
+            "least 2 (for its standard error): hold out more samples."
+        )
+    context = check_context(
+        validation.context,
+        flow.context_dim,
+        data.shape[0],
+        name="validation.context",
+        broadcast=False,
+        host=True,
+    )
+    estimator = Exact() if validation.estimator is None else validation.estimator
+    return Validation(
+        data,
+        context,
+        validation.every,
+        validation.patience,
+        estimator,
+        validation.significance,
+    )

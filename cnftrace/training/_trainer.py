@@ -32,6 +32,7 @@ from .._defaults import BATCH_SIZE
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective
 from ..objectives._names import resolve_objective
+from ._budget import budget_states
 from ._optim import default_optimizer
 from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
@@ -334,8 +335,9 @@ class Trainer(eqx.Module):
         `(state, info)`: the new state and a dict of scalars: `loss` (the objective's
         recorded loss), `nfe` and `nfe_backward` (vector-field evaluations of the
         forward and backward pass; `-1` where not counted, as with
-        `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), and
-        the objective's other metrics.
+        `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), the
+        learning rate `lr` with [`budget_cosine_adam`][cnftrace.budget_cosine_adam],
+        and the objective's other metrics.
         """
         return jitted_step(self, state)
 
@@ -448,6 +450,8 @@ def _train_step(trainer: Trainer, state: TrainState):
     info, grads, finite, result = _gradient(trainer, state.flow, batch, ctx, loss_key)
     state, skipped = _update(trainer, state, bad_batch, grads, finite, result)
     info["skipped"] = skipped
+    for budget in budget_states(state.opt_state)[:1]:  # a time budget's schedule
+        info["lr"] = budget.rate
     return state, info
 
 

@@ -41,9 +41,9 @@ def test_every_setting_is_a_flag_whose_help_states_its_default():
     titles = [g.title for g in parser._action_groups]
     assert {"data settings", "model settings", "training settings"} <= set(titles)
     # Only the derived settings have no flag: the data file, the number of the
-    # fitted base's components and the recipe's line.
+    # fitted base's components, the recipe's line and the run's seconds.
     unflagged = [f.name for f in fields if f not in flagged]
-    assert unflagged == ["data_file", "base_components", "recipe"]
+    assert unflagged == ["data_file", "base_components", "recipe", "seconds"]
 
 
 def test_flags_become_settings():
