@@ -425,10 +425,7 @@ def main(argv=None) -> int:
     if args.quick:
         b1_args = dict(iters=3, batch=64)
         b4_args = b4.QUICK
-        # A second of training per run (its first steps' compiling included): a
-        # check of the report, not of the curves (each run is evaluated at least
-        # once, at its budget's end).
-        b2_args = dict(budgets={"8gaussians": 1.0}, eval_every=0.5, test_size=200)
+        b2_args = dict(budgets={"8gaussians": 3.0}, eval_every=1.0, test_size=200)
         b3_args = dict(
             divergence=dict(dims=(2, 8), batch=64, repeats=3),
             step=dict(batches=(64, 128), iters=3),
