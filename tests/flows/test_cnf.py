@@ -177,7 +177,7 @@ def test_gradients_agree_across_adjoints_and_finite_differences():
     x = jr.normal(jr.key(5), (4, 2))
     common = dict(rtol=1e-11, atol=1e-11, solver=diffrax.Dopri5())
     flows = {
-        name: _mlp_flow(jr.key(6), adjoint=adj, **common)
+        name: small_flow(jr.key(6), t1=0.5, adjoint=adj, **common)
         for name, adj in [
             ("checkpoint", diffrax.RecursiveCheckpointAdjoint()),
             ("direct", diffrax.DirectAdjoint()),
@@ -329,6 +329,11 @@ def test_regression_custom_jvp_with_symbolic_zero_tangents():
         np.testing.assert_array_equal(a, b)
 
 
+# `log_prob` inside a caller's `jit`, one function for the file's tests: those that
+# call it on the same flow settings and shapes share its compiled program.
+_jitted_log_prob = eqx.filter_jit(lambda f, x: f.log_prob(x))
+
+
 def test_bad_input():
     flow = _mlp_flow(jr.key(14))
     with pytest.raises(ValueError, match=r"shape \(5, 3\).*\(2,\)"):
@@ -338,11 +343,13 @@ def test_bad_input():
     with pytest.raises(TypeError, match="dtype int"):
         flow.log_prob(jnp.ones((5, 2), dtype=jnp.int32))
     for bad in [jnp.nan, jnp.inf]:
-        x = jnp.zeros((3, 2)).at[1, 0].set(bad)
+        # Of the shape of test_methods_on_concrete_values_are_one_program_each's
+        # batches: the jitted call is the program that test compiles.
+        x = jnp.zeros((7, 2)).at[1, 0].set(bad)
         with pytest.raises(Exception, match="NaN or inf"):
             flow.log_prob(x)
         with pytest.raises(Exception, match="NaN or inf"):
-            eqx.filter_jit(lambda f, x: f.log_prob(x))(flow, x)
+            _jitted_log_prob(flow, x)
     with pytest.raises(ValueError, match="n"):
         flow.sample(jr.key(0), 0)
 
@@ -398,7 +405,7 @@ def test_methods_on_concrete_values_are_one_program_each():
     assert len(traces) <= 3, traces
     again, traces = _traces_of(lambda: flow.log_prob(y))
     assert traces == []
-    jitted = eqx.filter_jit(lambda f, x: f.log_prob(x))
+    jitted = _jitted_log_prob
     np.testing.assert_allclose(jitted(flow, y), again, rtol=1e-6, atol=1e-6)
     samples, traces = _traces_of(lambda: flow.sample(jr.key(1), 7))
     assert len(traces) <= 3, traces
@@ -459,16 +466,19 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
         (diffrax.RecursiveCheckpointAdjoint(checkpoints=2), cnftrace.Hutchinson()),
     ]
     # The gradient without the counter, once per estimator: the discrete adjoints
-    # differentiate the same solve, and here their gradients agree to the last bit.
-    # (Not in every setup: the gradient runs through the step-size controller's
-    # error estimate, a sum that cancels to about the tolerance, so two programs
-    # that round it differently, even of one adjoint, can differ by 1e-7: with one
-    # block, 2 checkpoints' counted and plain gradients do; with depth=1 fields,
-    # these ones by 4e-13.)
+    # differentiate the same solve, and here their gradients agree to rounding
+    # (with these depth-1 fields, by 4e-13; with depth 2, to the last bit). Not in
+    # every setup: the gradient runs through the step-size controller's error
+    # estimate, a sum that cancels to about the tolerance, so two programs that
+    # round it differently, even of one adjoint, can differ by 1e-7: with one
+    # block, 2 checkpoints' counted and plain gradients do. (Depth-1 fields: each
+    # of the five gradients here traces and compiles faster than with depth 2.)
     plain = {}
     for adjoint, estimator in cases:
         blocks = [
-            _mlp_flow(k, adjoint=adjoint, estimator=estimator, rtol=1e-8, atol=1e-8)
+            small_flow(
+                k, t1=0.5, adjoint=adjoint, estimator=estimator, rtol=1e-8, atol=1e-8
+            )
             for k in jr.split(jr.key(2), 2)
         ]
         flow = cnftrace.Chain(blocks)

@@ -82,7 +82,9 @@ def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
     data = str(tmp_path / "seven.csv")
     np.savetxt(data, x, delimiter=",", fmt="%.6f")
     run = str(tmp_path / "run")
-    argv = ["--data", data, "--run-dir", run]
+    # The standard normal base where the base is not what is checked (fitting one
+    # takes seconds on these rows).
+    argv = ["--data", data, "--run-dir", run, "--base", "normal"]
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)
     assert _hidden_width(flow.vector_field) == 128
     lines = [ln for ln in out.splitlines() if ln.startswith("recipe:")]
@@ -101,7 +103,7 @@ def test_train_says_what_it_chose_and_records_it(tmp_path, monkeypatch, capsys):
     # A small table keeps the field narrow, and says why.
     small = str(tmp_path / "small.csv")
     np.savetxt(small, x[:300], delimiter=",", fmt="%.6f")
-    argv = ["--data", small, "--run-dir", str(tmp_path / "run3")]
+    argv = ["--data", small, "--run-dir", str(tmp_path / "run3"), "--base", "normal"]
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)
     assert _hidden_width(flow.vector_field) == 64
     assert "240 training rows: width 64 (a table this size" in out
@@ -114,7 +116,9 @@ def test_a_run_begun_under_an_older_recipe_resumes_as_it_began(
     data = str(tmp_path / "ten.csv")
     np.savetxt(data, x, delimiter=",", fmt="%.6f")
     run = str(tmp_path / "run")
-    argv = ["--data", data, "--run-dir", run]
+    # The standard normal base: fitting one (seconds on these rows) is no part of
+    # what is resumed here.
+    argv = ["--data", data, "--run-dir", run, "--base", "normal"]
     # A run 64 wide, as an older recipe chose (today's gives these rows 128).
     _train(tmp_path, monkeypatch, [*argv, "--width", "64"], capsys)
     flow, out = _train(tmp_path, monkeypatch, argv, capsys)  # no --width: resumes
