@@ -1,5 +1,6 @@
 """`fit`'s option classes, `Validation` and `Checkpoints`, and its checks of them."""
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -150,11 +151,6 @@ def checked_validation(validation: Validation, flow: AbstractFlow) -> Validation
         host=True,
     )
     estimator = Exact() if validation.estimator is None else validation.estimator
-    return Validation(
-        data,
-        context,
-        validation.every,
-        validation.patience,
-        estimator,
-        validation.significance,
+    return dataclasses.replace(
+        validation, data=data, context=context, estimator=estimator
     )
