@@ -1,12 +1,8 @@
-"""Every default of the model and its training, decided in this one module.
-
-The builders (`MLPField`, `mlp_flow`, `CNF`), `fit`, `Trainer`, the optimiser, the
-objectives, `RunConfig` and the command line import their defaults from here rather
-than writing their own, so that a default changed here changes everywhere (a test
-checks that no default literal is written twice). Where the command line must differ
-from `fit`, the difference is decided here too, with its reason. The measurements
-behind each choice are in docs/quality.md.
-"""
+"""Every default of the model and its training, decided in this one module: the
+builders, `fit`, `Trainer`, the optimiser, the objectives, `RunConfig` and the command
+line import them (a test checks that no default literal is written twice). Where the
+command line differs from `fit`, that is decided here too. The measurements behind
+each choice are in docs/quality.md."""
 
 import dataclasses
 
@@ -125,14 +121,10 @@ def default_recipe(dim: int, rows: int | None = None) -> Recipe:
     **Returns:**
 
     A [`Recipe`][cnftrace.Recipe]. The width grows with the dimension (64 up to 5
-    dimensions, 256 up to 20, 512 beyond), which is what buys quality as the
-    dimension grows (docs/quality.md). On a table it grows with the rows too, by 64
-    per 2,000 training rows: on small tables a wider field overfits. The other
-    settings are the same for every size.
-
-    `MLPField` and `mlp_flow` see only the dimension: to train a small table in
-    Python, pass `width=cnftrace.default_recipe(dim, rows=len(train)).width`
-    (`cnftrace train` does this itself).
+    dimensions, 256 up to 20, 512 beyond) and, on a table, is at most 64 per 2,000
+    training rows (a wider field overfits); the other settings are the same for
+    every size. `MLPField` and `mlp_flow` see only the dimension: for a small table
+    in Python, pass `width=cnftrace.default_recipe(dim, rows=len(train)).width`.
 
     !!! example
 

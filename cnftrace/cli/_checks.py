@@ -4,14 +4,27 @@ Each failure is a `UsageError` whose message names the option and the accepted r
 `cnftrace` prints it as one line and exits with status 2.
 """
 
+import contextlib
 import os
 import stat
+import sys
+import warnings
 
 import jax.numpy as jnp
 
 from .._checks import memory_limit
 from .._io import file_kind
 from ._arguments import run_config
+
+
+@contextlib.contextmanager
+def warnings_said():
+    """A block whose warnings are printed on stderr as `cnftrace: ...` lines."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
 
 
 class UsageError(Exception):

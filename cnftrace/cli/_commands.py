@@ -6,7 +6,6 @@ import math
 import os
 import stat
 import sys
-import warnings
 
 import jax.numpy as jnp
 import jax.random as jr
@@ -23,20 +22,16 @@ from ._checks import (
     UsageError,
     check_fits_in_memory,
     nearest_existing,
+    warnings_said,
 )
 from ._data import eval_size, list_datasets, run_source, write_samples
 
 
 def _load(run_dir: str, need_data: bool = True) -> tuple[LoadedRun, DataSource | None]:
     """A trained run and its data source (for a run on a data file, `None` unless
-    `need_data`: sampling needs no data). The checkpoints skipped on the way are
-    reported, one line each; `load_run` says what is missing from a directory that
-    is not a run's."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    `need_data`); the checkpoints skipped are reported, one line each."""
+    with warnings_said():
         run = load_run(run_dir)
-    for w in caught:
-        print(f"cnftrace: {w.message}", file=sys.stderr)
     source = None
     if need_data or run.config.data_file is None:
         source = run_source(run.config)
@@ -55,12 +50,9 @@ def cmd_datasets(args) -> int:
 
 
 def _check_writable(run_dir: str, path: str, fix: str) -> None:
-    """A `CommandFailed` naming `path`, before any work, where the command on the
-    run in `run_dir` could not write it at its end: the file is written beside
-    itself and renamed (its missing directories made first), so the nearest
-    directory that exists must be writable, and the name must not be taken by
-    something that is not a regular file. `fix`: the way round, besides making it
-    writable."""
+    """A `CommandFailed` naming `path`, before any work, where the command could not
+    write it at its end (the nearest existing directory must be writable, the name
+    not taken by something other than a regular file); `fix`: the way round."""
     if not os.path.isdir(run_dir):
         return  # `load_run` says what it is
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
@@ -136,11 +128,8 @@ def cmd_sample(args) -> int:
     rows = sample_chunk(dim)
     check_sample_fits(args.n, rows, dim, config.width, config.blocks, out)
     inner = flow if run.transform is None else flow.flow
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings_said():  # a heavy-tailed base's draws out of range, say
         y = draw_samples(inner, seed_key(args.seed), args.n, rows)
-    for w in caught:  # a heavy-tailed base's draws beyond the solver's range, say
-        print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
     # The standardised flow's samples, mapped to the data's units in float64.
     x = y if run.transform is None else run.transform.inverse(y)
     names = None
@@ -160,20 +149,15 @@ SAMPLE_CHUNK_NUMBERS = 2**21
 
 
 def sample_chunk(dim: int) -> int:
-    """The rows of one solve of `cnftrace sample`: `SAMPLE_CHUNK_NUMBERS // dim`
-    (at least one), which depends on the dimension alone, never on the machine, so
-    that a seed and `--n` give the same samples everywhere."""
+    """The rows of one solve of `cnftrace sample`, from the dimension alone (never
+    the machine), so that a seed and `--n` give the same samples everywhere."""
     return max(1, SAMPLE_CHUNK_NUMBERS // dim)
 
 
 def draw_samples(flow, key, n: int, rows: int) -> np.ndarray:
-    """`n` samples of `flow` on the host, `rows` per solve. Up to `rows` samples are
-    `flow.sample(key, n)`, as they always were; more are drawn as solves of `rows`
-    samples each, the i-th from `jax.random.fold_in(key, i)` (the last one's extra
-    samples dropped), so the device holds one solve's buffers at a time and every
-    solve is one compiled program. A solve's adaptive steps are shared by its
-    samples, so the samples depend on `rows` as well as the key: `rows` is fixed by
-    the dimension (`sample_chunk`)."""
+    """`n` samples of `flow` on the host: `flow.sample(key, n)` up to `rows`, else
+    solves of `rows` samples, the i-th from `jax.random.fold_in(key, i)`, so that
+    the device holds one solve's buffers at a time."""
     if n <= rows:
         return np.asarray(flow.sample(key, n))
     parts = [
@@ -184,15 +168,14 @@ def draw_samples(flow, key, n: int, rows: int) -> np.ndarray:
 
 def check_sample_fits(n, rows, dim, width, blocks, out) -> None:
     """A `UsageError` where `sample --n N` cannot fit: one solve of `rows` samples
-    on the device, whose buffers take about `6 * width + 12 * dim` numbers a sample
-    (the field's hidden layers, the state, the solver's stages; measured at 1.6 kB a
-    sample for width 64 in 2-D, float32), and the `n` samples on the host (24 bytes
-    a number: the samples, in float64, and their copy; a text file's 25 bytes per
-    number besides)."""
+    on the device (about `6 * width + 12 * dim` numbers a sample), and the `n`
+    samples on the host (24 bytes a number, 25 more in a text file)."""
     itemsize = jnp.dtype(jnp.result_type(float)).itemsize
     device = min(n, rows) * (6 * width * blocks + 12 * dim) * itemsize
     host = n * dim * (24 + (25 if not out.lower().endswith(".npy") else 0))
-    for need, (limit, what) in ((device, memory_limit()), (host, _host_memory())):
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limits = (memory_limit(), (memory, "this machine's memory"))
+    for need, (limit, what) in zip((device, host), limits):
         if need > limit:
             raise UsageError(
                 f"--n {n} cannot fit: {n} samples of dimension {dim} need at least "
@@ -202,15 +185,9 @@ def check_sample_fits(n, rows, dim, width, blocks, out) -> None:
             )
 
 
-def _host_memory() -> tuple[int, str]:
-    pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return pages * page, "this machine's memory"
-
-
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of `RUN_DIR/metrics.jsonl`, each step once (its first record: a
-    later one never replaces it), in step order; lines that are not records of a
-    step are skipped with one warning naming the file and the first one's line."""
+    """The records of `RUN_DIR/metrics.jsonl`, each step once, in step order (see
+    `store._history`)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     records = _history.read_records(
         path,

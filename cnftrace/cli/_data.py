@@ -6,7 +6,6 @@ import dataclasses
 import difflib
 import io
 import os
-import sys
 import warnings
 
 import numpy as np
@@ -35,7 +34,7 @@ from ..datasets import (
     toy_entropy_is_exact,
 )
 from ..runs import RunConfig
-from ._checks import CommandFailed, UsageError
+from ._checks import CommandFailed, UsageError, warnings_said
 
 
 def _is_name(data) -> bool:
@@ -66,10 +65,8 @@ def _directory_error(path: str) -> UsageError:
 
 
 def eval_size(source: DataSource, n: int | None) -> int:
-    """The number of test samples `cnftrace eval --n N` scores: for a table or a
-    data file, the first N rows of its fixed test split (all of them by default; a
-    `UsageError` past its size); otherwise N, 5000 by default (drawn from a toy set,
-    the first of MNIST's test images; the digits use their whole test split)."""
+    """The number of test samples `cnftrace eval --n N` scores: N (by default all
+    the rows of a fixed test split, else 5000); a `UsageError` past a split's size."""
     if not source.fixed_test:
         return 5000 if n is None else n
     size = source.test(0, None).shape[0]
@@ -85,9 +82,7 @@ def eval_size(source: DataSource, n: int | None) -> int:
 def training_source(config: RunConfig) -> tuple[DataSource, dict]:
     """The data source of `cnftrace train` and the settings that pin it in the run's
     config (`data`, `data_file`, `data_dir`). Every file is read and checked here,
-    before anything is written; with `--drop-missing`, one line says how many rows
-    were dropped, and what the reading notes (a first line of numbers alone, read as
-    data) goes to stderr, one line each."""
+    before anything is written; what the reading notes goes to stderr."""
     data = config.data
     if _is_name(data):
         directory = None
@@ -110,16 +105,13 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
             )
         if os.path.isdir(path):
             raise _directory_error(path)
-        if data_format(path) is None and not _spreadsheet(path):
+        if data_format(path) is None and not path.lower().endswith(SPREADSHEETS):
             raise _data_error(data)
     paths = [os.path.abspath(p) for p in paths]
-    # Stripped of blanks, as they were resolved (`--columns 'x, y'`): the names
-    # stored are the ones `eval` and `plot` find again.
-    columns = None
+    columns = None  # stripped of blanks, as `eval` and `plot` find them again
     if config.columns is not None:
         columns = [c.strip() for c in config.columns.split(",")]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings_said():  # what the reading notes (a first line of numbers, say)
         source = file_source(
             paths,
             columns=columns,
@@ -132,8 +124,6 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
             header=HEADERS[config.header],
             dequantize=config.dequantize,
         )
-    for w in caught:  # what the reading noted (a first line of numbers, say)
-        print(f"cnftrace: {w.message}", file=sys.stderr, flush=True)
     if config.drop_missing:
         print(_dropped_line(source.table), flush=True)
     if config.dequantize:
@@ -144,11 +134,6 @@ def training_source(config: RunConfig) -> tuple[DataSource, dict]:
 
 # `--header` as `read_table`'s `header`.
 HEADERS = {"auto": None, "yes": True, "no": False}
-
-
-def _spreadsheet(path: str) -> bool:
-    """A spreadsheet's name, which `read_table` refuses saying to save it as CSV."""
-    return path.lower().endswith(SPREADSHEETS)
 
 
 def _dequantized_line(grid: np.ndarray, names) -> str:
@@ -182,16 +167,6 @@ def _dropped_line(table) -> str:
     return f"cnftrace: dropped {total} of {read} rows with missing values in {where}"
 
 
-def changed_data_settings(old: RunConfig, new: RunConfig) -> list[str]:
-    """The settings of `old.data_file` that `new.data_file` changes (the columns,
-    the split, the standardisation, `--drop-missing`), as `name: value there, value
-    now`: resuming would train on other rows. Checked before `config.json` is
-    written (the checkpoints would refuse them after)."""
-    if old.data_file is None or new.data_file is None:
-        return []  # a data set by name: `data` itself is compared
-    return old.data_file.changed_settings(new.data_file)
-
-
 def as_pinned(config: RunConfig, old: RunConfig | None) -> RunConfig:
     """`config` with the column names as the run already in its directory (`old`)
     stored them, where they are the same names: a run that stored `--columns 'x, y'`
@@ -204,14 +179,6 @@ def as_pinned(config: RunConfig, old: RunConfig | None) -> RunConfig:
         return config
     pinned = dataclasses.replace(now, columns=there.columns)
     return dataclasses.replace(config, data_file=pinned)
-
-
-def changed_files(old: RunConfig, new: RunConfig) -> list[str]:
-    """The files of `old.data_file` whose SHA-256 differs in `new.data_file` (the
-    same path, other bytes), as readable lines."""
-    if old.data_file is None or new.data_file is None:
-        return []
-    return old.data_file.changed_files(new.data_file)
 
 
 def run_source(config: RunConfig) -> DataSource:
@@ -289,7 +256,8 @@ def list_datasets(data_dir: str | None) -> list[tuple[str, ...]]:
     if data_dir is None:
         return rows
     for name in UCI_DATASETS:
-        missing = [p for p in _uci_files(data_dir, name) if not os.path.isfile(p)]
+        files = [os.path.join(data_dir, *parts) for parts in UCI_FILES[name]]
+        missing = [p for p in files if not os.path.isfile(p)]
         status = f"missing {missing[0]}" if missing else "found"
         rows.append((name, str(UCI_DIMS[name]), "-", "-", f"MAF's UCI set: {status}"))
     root = mnist_root(data_dir)
@@ -301,7 +269,3 @@ def list_datasets(data_dir: str | None) -> list[tuple[str, ...]]:
     status = f"missing {missing[0]}" if missing else f"found in {root}"
     rows.append(("mnist", "784", "-", "-", f"MNIST IDX files: {status}"))
     return rows
-
-
-def _uci_files(data_dir: str, name: str) -> list[str]:
-    return [os.path.join(data_dir, *parts) for parts in UCI_FILES[name]]

@@ -2,7 +2,6 @@
 
 import argparse
 import sys
-import warnings
 
 import jax.numpy as jnp
 
@@ -10,7 +9,7 @@ from ..flows import SolverError
 from ..store import CheckpointError, enable_compilation_cache
 from ..training import TrainingError
 from ._arguments import add_run_arguments, integer_argument
-from ._checks import CommandFailed, UsageError, check_args
+from ._checks import CommandFailed, UsageError, check_args, warnings_said
 from ._commands import EVAL_SEED, cmd_datasets, cmd_eval, cmd_plot, cmd_sample
 from ._train import cmd_train, initialize_distributed
 
@@ -136,14 +135,8 @@ def main(argv=None) -> int:
         check_args(args)
         if getattr(args, "distributed", False):
             initialize_distributed()  # before anything else touches JAX
-        # Compiled programs are stored on disk: a second run, a resume, `eval` and
-        # `sample` of a trained run load them instead of compiling again. What it
-        # says of a bad cache (entries removed, or the cache off) is one line.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings_said():  # a bad cache is one line
             enable_compilation_cache()
-        for w in caught:
-            print(f"cnftrace: {w.message}", file=sys.stderr)
         jnp.zeros(())
         return args.func(args)
     except (Exception, KeyboardInterrupt) as e:

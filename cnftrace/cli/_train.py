@@ -1,18 +1,7 @@
 """`cnftrace train`: a run directory's settings checked and written, then `fit` on
-it, resuming where a run there stopped.
-
-Each training run lives in its own directory:
-
-    RUN_DIR/config.json       the settings (`RunConfig.stored()`: the model is rebuilt
-                              from them; for a data file, its SHA-256, split and
-                              standardisation)
-    RUN_DIR/metrics.jsonl     the history: one JSON record per step and validation,
-                              written by `fit` (cut back to the checkpoint's step on
-                              resume)
-    RUN_DIR/checkpoints/      the newest checkpoints (model, optimiser, step, key)
-    RUN_DIR/plots/            pictures written by `cnftrace plot`
-    RUN_DIR/.lock             held while the run trains: the run's one lock
-"""
+it, resuming where a run there stopped. The directory holds `config.json`,
+`metrics.jsonl` (the history), `checkpoints/`, `plots/` and `.lock` (see the docs'
+training page)."""
 
 import contextlib
 import dataclasses
@@ -39,7 +28,7 @@ from ._checks import (
     check_probes_fit_in_memory,
     check_run_dir,
 )
-from ._data import as_pinned, changed_data_settings, changed_files, training_source
+from ._data import as_pinned, training_source
 
 
 def cmd_train(args) -> int:
@@ -102,11 +91,9 @@ def cmd_train(args) -> int:
 
 
 def _fitted_base(config: RunConfig, source, existing: RunConfig | None):
-    """`(base, config)`: the base distribution fitted to the training rows (in the
-    units the flow models: standardised), `None` for the standard normal, and the
-    settings with the base recorded (`RunConfig.with_base`). A resumed run fits its
-    base again (deterministic for the same rows and seed), for the steps before its
-    first checkpoint; the checkpoint's parameters then replace it."""
+    """`(base, config)`: the base distribution fitted to the (standardised) training
+    rows, `None` for the standard normal, and the settings with the base recorded.
+    A resumed run fits it again; its checkpoint's parameters then replace it."""
     kind = config.base_to_fit(existing)
     if kind == "normal":
         return None, config.with_base("normal", None, "standard normal", existing)
@@ -117,8 +104,8 @@ def _fitted_base(config: RunConfig, source, existing: RunConfig | None):
         seed=config.seed % 2**32,
         return_info=True,
     )
-    line = info["reason"]
-    return base, config.with_base(info["kind"], info.get("components"), line, existing)
+    kind, components = info["kind"], info.get("components")
+    return base, config.with_base(kind, components, info["reason"], existing)
 
 
 def _training_mesh(config: RunConfig):
@@ -181,7 +168,8 @@ def _write_config(config: RunConfig) -> None:
     path = os.path.join(run_dir, "config.json")
     if os.path.lexists(path):
         old = read_config(path)
-        changed = changed_files(old, config)
+        files = old.data_file is not None and config.data_file is not None
+        changed = old.data_file.changed_files(config.data_file) if files else []
         if changed:
             raise UsageError(
                 f"{run_dir} was trained on a data file that has changed since: "
@@ -189,7 +177,9 @@ def _write_config(config: RunConfig) -> None:
                 + ". Resuming would train on other data: restore the file, or "
                 "train on it in a new --run-dir."
             )
-        diffs = config.differences(old) + changed_data_settings(old, config)
+        diffs = config.differences(old)
+        if files:  # resuming would train on other rows
+            diffs += old.data_file.changed_settings(config.data_file)
         if diffs:
             raise UsageError(
                 f"{run_dir} holds a run with other settings ({', '.join(diffs)}). "
@@ -274,8 +264,7 @@ def _other_steps(old: RunConfig, new: RunConfig) -> str:
 
 
 def _last_step(config: RunConfig, history: dict) -> tuple[int, str]:
-    """The last step trained and the words for its loss, from `fit`'s history (read
-    back from metrics.jsonl when the run had finished)."""
+    """The last step trained and the words for its loss, from `fit`'s history."""
     if history["step"]:
         return history["step"][-1], f"final loss {history['loss'][-1]:.4f}"
     done = config.steps or 0

@@ -11,6 +11,10 @@ from ..objectives import AbstractObjective, FlowMatching, MaximumLikelihood
 from ..training import budget_cosine_adam, warmup_cosine_adam
 from ._config import RunConfig
 
+# The settings `mlp_flow` takes as they are.
+_FLOW_SETTINGS = ("field", "blocks", "width", "depth", "activation", "t1")
+_FLOW_SETTINGS += ("learn_t1", "solver", "rtol", "atol")
+
 
 def run_flow(
     config: RunConfig, key, dim: int, dtype=None, base: AbstractBase | None = None
@@ -24,22 +28,10 @@ def run_flow(
     if config.blocks == 1:
         # The command line has always drawn a single block's key by a split.
         key = jr.split(key, 1)[0]
+    settings = {name: getattr(config, name) for name in _FLOW_SETTINGS}
+    zero_last = bool(config.zero_last)
     return mlp_flow(
-        dim,
-        key=key,
-        field=config.field,
-        blocks=config.blocks,
-        width=config.width,
-        depth=config.depth,
-        activation=config.activation,
-        t1=config.t1,
-        learn_t1=config.learn_t1,
-        solver=config.solver,
-        rtol=config.rtol,
-        atol=config.atol,
-        dtype=dtype,
-        zero_last=bool(config.zero_last),
-        base=base,
+        dim, key=key, dtype=dtype, zero_last=zero_last, base=base, **settings
     )
 
 
@@ -51,13 +43,10 @@ def run_standardization(config: RunConfig) -> Standardization | None:
 def run_optimizer(config: RunConfig):
     """The schedule over the run's `minutes` where it has them, else over its
     `steps`."""
+    settings = dict(clip=config.clip, weight_decay=config.weight_decay)
     if config.minutes is not None:
-        return budget_cosine_adam(
-            config.lr, clip=config.clip, weight_decay=config.weight_decay
-        )
-    return warmup_cosine_adam(
-        config.steps, config.lr, clip=config.clip, weight_decay=config.weight_decay
-    )
+        return budget_cosine_adam(config.lr, **settings)
+    return warmup_cosine_adam(config.steps, config.lr, **settings)
 
 
 def run_estimator(config: RunConfig) -> AbstractEstimator:

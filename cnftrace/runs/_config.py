@@ -1,11 +1,6 @@
-"""`RunConfig`: the settings of a run of `cnftrace train`, in one place.
-
-Each field is one setting: its default, its command-line flag and help, its argument
-group, its accepted range, and whether it is stored in the run's `config.json` (the
-settings that define the model, its data and its optimisation, which a resumed run
-must share). The command line's flags, `config.json`, the check on resume and
-`cnftrace.load` all come from this class.
-"""
+"""`RunConfig`: the settings of a run of `cnftrace train`, one field each (default,
+flag, help, group, range, whether `config.json` stores it: see `_settings.setting`).
+The flags, `config.json`, the check on resume and `cnftrace.load` come from it."""
 
 import dataclasses
 import json
@@ -30,8 +25,7 @@ from ..store import CheckpointError
 from ..store._checkpoint import same_value
 from ._settings import by_data, setting
 
-# Stored settings that only describe the others (what the default recipe chose, and
-# why) or the run (its seconds): never compared on resume, nor with a checkpoint.
+# Stored settings that describe the others or the run: never compared on resume.
 DERIVED = ("recipe", "seconds")
 GROUPS = ("data", "model", "training", "run")
 # The built-in sets that are tables of rows (a base can be fitted to them).
@@ -39,13 +33,21 @@ TABLE_SETS = tuple(TABULAR_DATASETS) + tuple(UCI_DATASETS)
 
 
 _DATA, _MODEL, _TRAINING, _RUN = GROUPS
+# The settings of a data file alone, and what each says given a built-in set.
+_FILE_ONLY = {
+    "columns": "picks from a data file; --data {data} is a built-in data set.",
+    "array": "picks from a data file; --data {data} is a built-in data set.",
+    "drop_missing": "reads a data file; --data {data} is a built-in data set, which "
+    "has no missing values.",
+    "dequantize": "spreads a data file's grid columns; --data {data} is a built-in "
+    "data set: give a data file.",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """The settings of a run of `cnftrace train` (see the module's docstring). A
-    field left `None` whose default depends on the data is filled by `resolved`
-    before the run starts, and stored filled."""
+    """The settings of a run of `cnftrace train`; a `None` whose default depends on
+    the data is filled by `resolved` and `for_data` before the run starts."""
 
     # The data.
     data: str | tuple[str, ...] = setting(
@@ -98,7 +100,7 @@ class RunConfig:
         "`sample` and `cnftrace.load` undo it)",
         stored=False,
     )
-    # Pinned in `data_file` (compared on resume), as the columns and the split are.
+    # Pinned in `data_file` (compared on resume), as are header and dequantize.
     drop_missing: bool = setting(
         False,
         _DATA,
@@ -107,7 +109,6 @@ class RunConfig:
         "and say how many (by default such a file is refused; inf is never missing)",
         stored=False,
     )
-    # Pinned in `data_file` where not `auto`.
     header: str = setting(
         "auto",
         _DATA,
@@ -117,7 +118,6 @@ class RunConfig:
         stored=False,
         choices=["auto", "yes", "no"],
     )
-    # Pinned in `data_file` (its grid steps), as the split is.
     dequantize: bool = setting(
         False,
         _DATA,
@@ -128,8 +128,7 @@ class RunConfig:
         "the grid",
         stored=False,
     )
-    # What pins a data file (paths, SHA-256, split, standardisation): derived, and
-    # stored as `DataFile.to_json()`.
+    # What pins a data file (paths, SHA-256, split, standardisation): derived.
     data_file: DataFile | None = setting(None, _DATA, "", flag=False)
     # The model.
     field: str = setting(
@@ -137,7 +136,6 @@ class RunConfig:
         _MODEL,
         "vector field: an MLP with sinusoidal time features (mlp) or FFJORD's "
         "ConcatSquash layers (concatsquash)",
-        # Runs written before MLPField became the default trained FFJORD's field.
         choices=list(FIELDS),
     )
     blocks: int = setting(1, _MODEL, "number of CNF blocks", low=1)
@@ -176,8 +174,7 @@ class RunConfig:
         "normal for the toy sets and images",
         choices=list(BASE_KINDS),
     )
-    # How many components the fitted base has (derived from the data; stored to
-    # rebuild the model).
+    # The fitted base's components (derived; stored to rebuild the model).
     base_components: int | None = setting(None, _MODEL, "", flag=False)
     zero_last: bool | None = setting(
         None,
@@ -281,8 +278,7 @@ class RunConfig:
         type=int,
     )
     seed: int = setting(0, _TRAINING, "seed of the initialisation and the batches")
-    # Derived, so never compared on resume: what the default recipe chose for the
-    # data, and why (a line the command prints); the run's training seconds so far.
+    # Derived (`DERIVED`): the recipe's line, and the run's training seconds so far.
     recipe: str | None = setting(None, _TRAINING, None, flag=False)
     seconds: float | None = setting(None, _TRAINING, None, flag=False)
     # The run.
@@ -343,23 +339,10 @@ class RunConfig:
                 f"{self.test_fraction} leave no rows to train on; make them add up "
                 "to less than 1."
             )
-        if not self.from_files():
-            for name in ("columns", "array"):
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"--{name} picks from a data file; --data {self.data} is a "
-                        "built-in data set."
-                    )
-            if self.drop_missing:
-                raise ValueError(
-                    f"--drop-missing reads a data file; --data {self.data} is a "
-                    "built-in data set, which has no missing values."
-                )
-            if self.dequantize:
-                raise ValueError(
-                    f"--dequantize spreads a data file's grid columns; --data "
-                    f"{self.data} is a built-in data set: give a data file."
-                )
+        for name, what in _FILE_ONLY.items():
+            if getattr(self, name) not in (None, False) and not self.from_files():
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {what.format(data=self.data)}")
         if self.base not in (None, "normal", "auto") and not self.fits_base():
             raise ValueError(
                 f"--base {self.base} is fitted to a table's training rows; --data "
@@ -382,11 +365,7 @@ class RunConfig:
     def _check_every_setting_acts(self) -> None:
         """A `ValueError` for an empty path or name, and for a setting given a value
         other than its default where the other settings make it do nothing (it
-        would be stored, and believed, while the run ignored it): `--fm-sigma`
-        without flow matching, the trace estimator's settings with it (its
-        training solves no ODE) or `--num-probes` with the exact trace, a data
-        file's settings with a built-in set, `--data-dir` with a set not read from
-        one, `--patience` where nothing is validated."""
+        would be stored, and believed, while the run ignored it)."""
         for name in ("data", "data_dir", "columns", "array", "run_dir"):
             values = getattr(self, name)
             for value in values if isinstance(values, tuple) else (values,):
@@ -454,9 +433,8 @@ class RunConfig:
 
     def resolved(self) -> "RunConfig":
         """The settings left to the data filled in: the steps (none with `minutes`)
-        and the batch size by data set (`_defaults.cli_training`), early stopping
-        (after `CLI_PATIENCE` validations without improvement) for a data file and
-        the sets of `--data-dir`, never for the other built-in sets, the activation."""
+        and batch size by data set (`_defaults.cli_training`), the patience (none for
+        the built-in sets), the activation."""
         values = {
             name: value
             for name, value in cli_training(self.data).items()
@@ -473,12 +451,10 @@ class RunConfig:
     def for_data(
         self, dim: int, rows: int | None, run: "RunConfig | None" = None
     ) -> "RunConfig":
-        """The settings that follow the data's dimension `dim` and training `rows`
-        (`None`: samples without end) filled in from
-        [`default_recipe`][cnftrace.default_recipe], with `recipe` saying what was
-        chosen and why. A setting left to the recipe on a directory that already
-        holds a `run` takes that run's value (and its `recipe` line), so that a run
-        started under an older recipe resumes as it began."""
+        """The width filled in from [`default_recipe`][cnftrace.default_recipe] for
+        the data's dimension `dim` and training `rows` (`None`: samples without
+        end), with `recipe` saying why; or from the `run` being resumed, so that it
+        resumes as it began."""
         if self.width is not None:
             return self
         if run is not None and run.width is not None:
@@ -487,9 +463,8 @@ class RunConfig:
         return dataclasses.replace(self, width=chosen.width, recipe=chosen.reason)
 
     def base_to_fit(self, run: "RunConfig | None" = None) -> str:
-        """The kind of base this run fits (`BASE_KINDS`, `"auto"` included): the
-        flag's, else the run's already in the directory (a run resumes as it
-        began), else `"auto"` for a table and `"normal"` otherwise."""
+        """The kind of base this run fits: the flag's, else the resumed `run`'s, else
+        `"auto"` for a table and `"normal"` otherwise."""
         if self.base is not None:
             return self.base
         if run is not None:
@@ -499,10 +474,9 @@ class RunConfig:
     def with_base(
         self, kind: str, components: int | None, line: str, run=None
     ) -> "RunConfig":
-        """These settings with the base that was fitted (`kind`, not `"auto"`, and
-        its number of components), the field started at zero for a fitted base
-        unless `--zero-last` was decided (here or by the `run` being resumed), and
-        `line` (what the base is) added to the recipe's line."""
+        """These settings with the fitted base (`kind`, its `components`), the field
+        started at zero for a fitted base unless `--zero-last` decided (here or in
+        the resumed `run`), and `line` added to the recipe's line."""
         zero_last = self.zero_last
         if zero_last is None:
             zero_last = run.zero_last if run is not None else kind != "normal"
@@ -512,13 +486,8 @@ class RunConfig:
             if zero_last and kind != "normal":
                 parts[-1] += ", the field started at zero"
             recipe = "; ".join(parts)
-        return dataclasses.replace(
-            self,
-            base=kind,
-            base_components=components,
-            zero_last=zero_last,
-            recipe=recipe,
-        )
+        values = dict(base=kind, base_components=components, zero_last=zero_last)
+        return dataclasses.replace(self, recipe=recipe, **values)
 
     # ------------------------------------------------------------ config.json
 
@@ -586,8 +555,7 @@ class RunConfig:
 def read_config(path: str) -> RunConfig:
     """A run's `config.json`, or a `CheckpointError` saying what is wrong with it."""
     try:
-        text = read_regular_file(path, limit=2**20).decode()
-        stored = json.loads(text)
+        stored = json.loads(read_regular_file(path, limit=2**20).decode())
     except FileKindError as e:
         raise CheckpointError(str(e)) from None
     except (ValueError, UnicodeDecodeError) as e:

@@ -26,13 +26,10 @@ from ._config import RunConfig, read_config
 
 
 def save(path: str, flow: AbstractFlow) -> str:
-    """Writes the arrays of `flow` to `path` with equinox's serialisation
-    (`equinox.tree_serialise_leaves`), atomically: a temporary file, then a rename,
-    so that a crash never leaves half a file. Returns `path`.
-
-    Read it back with [`load`][cnftrace.load]`(path, like=...)`, where `like` is a
-    flow of the same architecture (built with the same settings; its values do not
-    matter).
+    """Writes the arrays of `flow` to `path` with `equinox.tree_serialise_leaves`,
+    atomically. Returns `path`. Read it back with
+    [`load`][cnftrace.load]`(path, like=...)`, `like` a flow of the same
+    architecture (its values do not matter).
 
     !!! example
 
@@ -64,16 +61,15 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
 
     **Returns:**
 
-    The flow; with `return_info`, a pair `(flow, info)`. A run on a data file that
-    was standardised (`cnftrace train --data points.csv`, the default) comes back as
-    a [`StandardizedFlow`][cnftrace.StandardizedFlow], so that `log_prob` and
-    `sample` work in the data's own units; `info["transform"]` is its
-    [`Standardization`][cnftrace.Standardization].
+    The flow; with `return_info`, a pair `(flow, info)`. A run on a standardised
+    data file comes back as a [`StandardizedFlow`][cnftrace.StandardizedFlow]
+    working in the data's own units (`info["transform"]` is its
+    [`Standardization`][cnftrace.Standardization]).
 
-    A file or checkpoint that does not fit raises
-    [`CheckpointError`][cnftrace.CheckpointError], naming each differing setting,
-    and so does a run directory where any checkpoint holds other settings than
-    `config.json`. A path that does not exist raises `FileNotFoundError`.
+    A file or checkpoint that does not fit, or a run directory where a checkpoint
+    holds other settings than `config.json`, raises
+    [`CheckpointError`][cnftrace.CheckpointError] naming each difference; a missing
+    path raises `FileNotFoundError`.
 
     !!! example
 
@@ -95,7 +91,7 @@ def load(path: str, *, like: AbstractFlow | None = None, return_info: bool = Fal
         run = load_run(path)
         flow = run.flow
         info = {"config": run.config.stored(), "step": run.step}
-        info["transform"] = run.transform
+        info |= {"transform": run.transform}
     else:
         flow = _load_file(path, like)
         info = {"config": None, "step": None, "transform": None}
@@ -132,9 +128,8 @@ def _load_file(path: str, like: AbstractFlow | None) -> AbstractFlow:
 
 
 def _check_saved_flow(path: str, data: bytes) -> None:
-    """A `CheckpointError` where a file is surely not one `save` wrote (equinox's
-    serialisation begins as a NumPy array file does): a training checkpoint, whose
-    run directory is what `load` opens, or a file of another kind (a data table)."""
+    """A `CheckpointError` where a file is surely not one `save` wrote: a training
+    checkpoint, or a file that does not begin as NumPy's (a data table)."""
     if data.startswith(b"cnftrace-checkpoint ") or data.startswith(b'{"step"'):
         run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         raise CheckpointError(
@@ -156,14 +151,10 @@ def _check_saved_flow(path: str, data: bytes) -> None:
 def _checked_checkpoints(
     config: RunConfig, config_path: str, checkpoints: str
 ) -> tuple[tuple[int, ...] | None, str | None]:
-    """The event shape in the newest readable checkpoint's header and the dtype of
-    its parameters (the first floating-point array's: a run trained in float32
-    opens in a process with 64-bit mode on, and one in float64 without), once every
-    readable checkpoint in `checkpoints` is found to hold the settings of
-    `config_path`: a `CheckpointError` naming each setting that differs otherwise.
-    One checkpoint of other settings is enough: a run directory that mixes runs is
-    not trusted (as `train` refuses to resume from one). Unreadable files are left
-    to the loading, which skips them and says why."""
+    """The event shape and parameter dtype in the newest readable checkpoint's
+    header, once every readable checkpoint in `checkpoints` is found to hold the
+    settings of `config_path` (a `CheckpointError` naming the differences
+    otherwise: a directory that mixes runs is not trusted)."""
     shape, dtype, mismatched = None, None, []
     for _, path in reversed(list_checkpoints(checkpoints)):
         try:
@@ -201,10 +192,8 @@ def _mismatch(config_path: str, path: str, diffs: list[str], more: int = 0):
 
 
 def _setting_differences(saved: dict, config: RunConfig) -> list[str]:
-    """The settings where a checkpoint's config (`RunConfig.stored()` and `fit.`
-    keys) differs from `config`, as `name: value in the checkpoint, in config.json`.
-    Settings added since the checkpoint was written take their old values, as they
-    do in an old `config.json`."""
+    """The settings where a checkpoint's config differs from `config`, as readable
+    lines (its `fit.` keys aside)."""
     settings = {k: v for k, v in saved.items() if not k.startswith("fit.")}
     try:
         there = RunConfig.from_stored(settings, "the checkpoint").compared()
@@ -236,12 +225,9 @@ class LoadedRun(NamedTuple):
 
 
 def load_run(run_dir: str) -> LoadedRun:
-    """The flow of a run directory, rebuilt from its settings and given the
-    parameters of its newest good checkpoint (the best validated ones, where the
-    run validated), with its settings, the checkpoint's step and the data's
-    standardisation; a `CheckpointError` saying what is missing or wrong. Every
-    checkpoint that reads must hold the settings of `config.json`: one that does not
-    is refused (not skipped), as `train` refuses to resume from it."""
+    """The flow of a run directory, rebuilt from its settings with the (best)
+    parameters of its newest good checkpoint, its settings, the step and the data's
+    standardisation; a `CheckpointError` saying what is missing or wrong."""
     if not os.path.lexists(run_dir):
         raise FileNotFoundError(
             f"{run_dir} does not exist: give the run directory of `cnftrace train` "

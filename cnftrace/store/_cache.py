@@ -2,6 +2,8 @@
 with its entries checked before JAX may run them (see `enable_compilation_cache`)."""
 
 import atexit
+import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -26,18 +28,14 @@ except ImportError:
 OPT_OUT = "CNFTRACE_COMPILATION_CACHE"
 """The environment variable that turns the cache off: `0`, `off`, `false` or `no`."""
 
-# Programs that compile faster than this are not written: the smallest ones (a single
-# operation run eagerly) cost about as much to read back as to compile, and the cache
-# would fill with thousands of them.
+# Programs that compile faster than this cost about as much to read back.
 MIN_COMPILE_SECONDS = 0.03
 # The least recently used programs are deleted beyond this size.
 MAX_BYTES = 2 * 1024**3
-# The SHA-256 of each entry when first seen, with its signature (inode, size, mtime,
-# ctime) then, beside the entries.
+# The SHA-256 and signature of each entry when first seen, beside the entries.
 RECORDS = "cnftrace-entries.json"
 _SUFFIXES = ("-cache", "-atime")
-# An entry cut short and younger than this may still be being written by another
-# process: it is left to JAX (which reads it whole, or warns).
+# An entry cut short and younger than this may still be being written: left to JAX.
 _WRITING_NS = 10 * 10**9
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _NO_WAIT = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -64,21 +62,13 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         cannot be removed (with a one-line warning; a directory chosen for JAX is then
         turned off too).
 
-    JAX runs whatever an entry holds and nothing in it names its key, so the
-    directory is checked first: an entry that is not a regular file, cannot be read,
-    or no longer has the SHA-256 recorded when it was first seen (in
-    `cnftrace-entries.json`, at the exit of the process that wrote it or at the next
-    start) is deleted, with its `-atime` file, and its program compiled again; one
-    line of warning counts them. Only entries that are new or whose inode, size,
-    mtime or ctime changed are read. It guards against accidents, not against
-    someone who may write to the directory.
-
-    `cnftrace train`/`eval`/`sample`, `make demo` and the test suite call this at
-    start. Programs that compile in under `MIN_COMPILE_SECONDS` are not stored, and
-    the least recently used are deleted beyond `MAX_BYTES` (JAX's
+    The directory is checked first: an entry that is not a regular file, cannot be
+    read, or no longer has the SHA-256 recorded when it was first seen is deleted
+    and compiled again, with one line of warning (see `docs/training.md`,
+    "Compiling once"). Programs that compile in under `MIN_COMPILE_SECONDS` are not
+    stored, and the least recently used are deleted beyond `MAX_BYTES` (JAX's
     `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and `JAX_COMPILATION_CACHE_MAX_SIZE`
-    override both). A program that holds a host callback (`jax.debug.print`,
-    `eqx.error_if`) is never stored (see `docs/training.md`, "Compiling once").
+    override both). The command line, `make demo` and the tests call this at start.
 
     !!! example
 
@@ -104,8 +94,7 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         return _stays_off(f"cannot tidy {directory!r} ({e})", chosen)
     if chosen is None:
         jax.config.update("jax_compilation_cache_dir", directory)
-    # JAX's own settings where the user chose none (their defaults: every program
-    # that compiles in a second or more, with no size limit).
+    # JAX's own settings where the user chose none.
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update(
             "jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS
@@ -113,8 +102,7 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     jax.config.update("jax_enable_compilation_cache", True)
-    # JAX decides once per process whether the cache is used, at its first compile:
-    # start over so that a process that has already compiled something uses it too.
+    # JAX decides at its first compile whether the cache is used: start over.
     _jax_cache.reset_cache()
     # The entries this process writes are recorded when it exits (one directory).
     atexit.unregister(_record_new_entries)
@@ -233,20 +221,16 @@ def _tidy(directory: str) -> str:
         for gone in pair if name.endswith(_SUFFIXES) else [name]:
             kept.pop(gone, None)
             path = os.path.join(directory, gone)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISDIR(os.lstat(path).st_mode):
                     os.rmdir(path)  # only an empty one; else the cache stays off
                 else:
                     os.remove(path)  # a link, not what it points to
-            except FileNotFoundError:
-                pass
     if kept != records:  # written only when something changed: every start reads it
         _write_records(directory, kept)
     if not bad:
         return ""
-    counts: dict[str, int] = {}
-    for why in bad.values():
-        counts[why] = counts.get(why, 0) + 1
+    counts = collections.Counter(bad.values())
     whys = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
     return f"{len(bad)} bad file{'s' if len(bad) > 1 else ''} ({whys})"
 

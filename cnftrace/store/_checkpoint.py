@@ -1,30 +1,14 @@
 """Training checkpoints: equinox serialisation behind a small, checksummed header.
 
-A checkpoint file (format 2) is
-
-    cnftrace-checkpoint 2 <header bytes> <payload bytes> <sha256>\\n
-    <header: JSON>
-    <payload: what `equinox.tree_serialise_leaves` writes for the training state>
-
-The header records the step, the run's config and the shapes and dtypes of the leaves
-(plus a few small counters of the caller's); it does not grow with the step count. The
-SHA-256 covers the first line's other fields, the header and the payload, so a
-truncated, corrupted or edited file is detected before anything is loaded.
-
-Reading trusts nothing in the directory: only regular files are opened (never through
-a symlink, and never blocking on a FIFO), every read is bounded by the sizes the first
-line declares and by the file's size, the step in the header must be the one in the
-file's name, and each array record of the payload is checked against the shape and
-dtype of the leaf it will fill before equinox deserialises anything (so a payload of
-pickled objects, or of arrays of other shapes, is refused without being loaded).
-Every such failure is a `CheckpointError`: resuming skips the file, says why, and
-falls back to the previous good one.
-
-Files are written atomically (`cnftrace._io.atomic_write`). Pruning keeps the newest
-`keep` files *that load*, by their step: an unreadable file never outranks a good one,
-and the newest good file is never deleted.
+A file is `cnftrace-checkpoint 2 <header bytes> <payload bytes> <sha256>\\n`, a JSON
+header (step, config, the leaves' shapes and dtypes, the caller's counters), then
+what `equinox.tree_serialise_leaves` writes. Reading trusts nothing: regular files
+only, reads bounded by the declared sizes, the checksum and every array record's
+shape and dtype checked before anything is deserialised; each failure is a
+`CheckpointError`. Pruning keeps the newest `keep` files that load.
 """
 
+import contextlib
 import hashlib
 import io
 import json
@@ -52,13 +36,10 @@ _HEADER_LIMIT = 64 * 2**20
 class CheckpointError(RuntimeError):
     """A checkpoint is unreadable, corrupted, or belongs to another configuration.
 
-    [`fit`][cnftrace.fit] raises it when its checkpoint directory holds a checkpoint
-    written under another `config` (the message names the differing entries), or when
-    another process is training in that directory.
-    Corrupted, truncated or edited files, files of another architecture and anything
-    that is not a regular file are reported and skipped instead: `fit` resumes from
-    the newest good one, or starts afresh.
-    [`load`][cnftrace.load] raises it for a file or run directory it cannot read.
+    [`fit`][cnftrace.fit] raises it for a checkpoint written under another `config`
+    (naming the differing entries) or a directory another process trains in; it
+    reports and skips corrupted files. [`load`][cnftrace.load] raises it for a file
+    or run directory it cannot read.
 
     !!! example
 
@@ -86,7 +67,7 @@ def checkpoint_path(directory: str, step: int) -> str:
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """`(step, path)` of the entries named like checkpoints in `directory`, oldest
-    first. They are only names: reading one checks what it is."""
+    first (names only, unchecked)."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -120,18 +101,12 @@ def save_checkpoint(
     keep: int = 3,
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """Writes `state` (a pytree of arrays and static data) as the checkpoint of `step`
-    and prunes the directory to the newest `keep` checkpoints that load (see
-    `prune`). `extra`: small JSON-serialisable values kept in the header. Returns the
-    file's path."""
+    """Writes `state` (a pytree) as the checkpoint of `step`, with the small JSON
+    values `extra` in its header, and `prune`s the directory. Returns the path."""
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, state)
-    header = {
-        "step": int(step),
-        "config": config,
-        "leaves": _leaf_specs(state),
-        **(extra or {}),
-    }
+    header = {"step": int(step), "config": config, "leaves": _leaf_specs(state)}
+    header |= extra or {}
     path = checkpoint_path(directory, step)
     atomic_write(path, encode_checkpoint(header, buffer.getvalue()), ".ckpt")
     prune(directory, keep, state, config)
@@ -140,19 +115,14 @@ def save_checkpoint(
 
 def prune(directory: str, keep: int, like, config) -> list[str]:
     """Deletes all but the newest `keep` checkpoints that load into `like` under
-    `config`, ordered by their step, and the unreadable files older than the newest
-    of those (a newer good file has replaced them). Unreadable files newer than every
-    good one, files written under another config, and anything that is not a regular
-    file are left alone; temporary files of a killed writer are removed. Returns the
-    deleted checkpoint paths."""
+    `config`, the unreadable regular files older than the newest of those, and the
+    temporary files of a killed writer; leaves other configs' files alone. Returns
+    the deleted checkpoint paths."""
     good, bad = [], []
     for name in os.listdir(directory):
-        # Temporary files of a writer that was killed (the caller holds the lock).
         if name.startswith(".tmp-") and name.endswith(".ckpt"):
-            try:
+            with contextlib.suppress(OSError):  # the caller holds the lock
                 os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
     for step, path in list_checkpoints(directory):
         try:
             _verified(path, like, config)
@@ -170,10 +140,8 @@ def prune(directory: str, keep: int, like, config) -> list[str]:
     newest = good[-1][0]
     doomed = [p for _, p in good[:-keep]] + [p for s, p in bad if s < newest]
     for path in doomed:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        except FileNotFoundError:
-            pass
     return doomed
 
 
@@ -230,17 +198,13 @@ def _read_body(fd: int, size: int, start: bytes, path: str) -> tuple[dict, bytes
     prefix = first[: len(first) - len(fields[4])]
     if _digest(prefix, head, payload) != digest:
         raise CheckpointError(f"{path} is corrupted: its checksum does not match.")
-    return _json_header(head, path), payload
-
-
-def _json_header(data: bytes, path: str) -> dict:
     try:
-        header = json.loads(data)
+        header = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError):
         header = None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not a cnftrace checkpoint (bad header).")
-    return header
+    return header, payload
 
 
 def same_value(a, b) -> bool:
@@ -265,10 +229,9 @@ def config_mismatch(saved: dict, current: dict) -> list[str]:
 
 
 def check_payload(payload: bytes, like, path: str) -> None:
-    """Checks that `payload` is what `equinox.tree_serialise_leaves` writes for a tree
-    like `like`: one NumPy array record per array leaf, of that leaf's shape and
-    dtype, and nothing else. Reads only the records' headers; raises a
-    `CheckpointError` naming the first leaf that does not fit."""
+    """A `CheckpointError` naming the first leaf that does not fit, unless `payload`
+    is one NumPy array record per array leaf of `like`, of its shape and dtype, and
+    nothing else (reading the records' headers only)."""
     f = io.BytesIO(payload)
     leaves = [x for x in jax.tree_util.tree_leaves(like) if eqx.is_array_like(x)]
     for i, leaf in enumerate(leaves):
@@ -321,12 +284,8 @@ def deserialise(payload: bytes, like, path: str):
 
 
 def load_checkpoint(path: str, like, config: dict[str, Any] | None = None):
-    """Loads the checkpoint at `path` into the structure of `like`.
-
-    Raises [`CheckpointError`][cnftrace.CheckpointError] if the file is corrupted, or
-    if `config` is given and differs from the saved config (naming each mismatch).
-    Returns `(step, state)`.
-    """
+    """`(step, state)`: the checkpoint at `path` loaded into the structure of
+    `like`; a `CheckpointError` if it is corrupted or `config` differs from its."""
     header, payload = _verified(path, like, config)
     return header["step"], deserialise(payload, like, path)
 
@@ -355,10 +314,9 @@ def _verified(path: str, like, config) -> tuple[dict, bytes]:
 
 
 def latest_good_checkpoint(directory: str, like, config=None, *, warn=None):
-    """The newest checkpoint in `directory` that loads cleanly, skipping (and
-    reporting, with the reason, to `warn`: a line on stderr by default) every one
-    that does not. A config mismatch is not skipped: it raises. Returns
-    `(step, state, header)` or `None` when there is no usable checkpoint."""
+    """`(step, state, header)` of the newest checkpoint in `directory` that loads,
+    or `None`; the others are reported to `warn` (stderr by default) and skipped,
+    but a config mismatch raises."""
     warn = warn_stderr if warn is None else warn
     for _, path in reversed(list_checkpoints(directory)):
         try:

@@ -1,20 +1,10 @@
 """Step-keyed JSON-lines logs: `fit`'s history file (`history.jsonl` beside its
 checkpoints, or the command line's `RUN_DIR/metrics.jsonl`).
 
-One JSON record per line, each with its `step`. A process killed after its last
-checkpoint leaves records of steps that the resumed run takes again, so on resume a
-log is cut back to the checkpoint's step (`truncate`) and every step is in it exactly
-once.
-
-Nothing in a log is trusted unread: a line that is not a record of a step (not JSON,
-without the fields its readers need, a value that is not a number) is skipped, and so
-is a record of a step already recorded (of the same kind: training or validation). A
-later record never replaces an earlier one: the first record of a step is the one
-written before the step's checkpoint, and resuming cuts the log back before it logs a
-step again, so anything after it is debris (or, in a log written before that rule, a
-step the resumed run took again, loss for loss). The skipped lines are reported in one
-warning naming the file, how many, and the first one's line number. A torn last line
-(a kill mid-write: no newline after it) is dropped without a warning.
+One JSON record per line, each with its `step`; on resume a log is cut back to the
+checkpoint's step (`truncate`). A line that is not a record of a step, or repeats a
+recorded step (of the same kind), is skipped and reported in one warning; the first
+record of a step is the one kept. A torn last line is dropped silently.
 """
 
 import json
@@ -76,10 +66,6 @@ def read_records(
     return records
 
 
-def _is_number(value) -> bool:
-    return type(value) in (int, float)
-
-
 def _parsed(line: bytes, needed: tuple[str, ...]) -> tuple[dict | None, str]:
     """`(record, "")` for a line that is a record, `(None, why not)` otherwise."""
     try:
@@ -95,7 +81,7 @@ def _parsed(line: bytes, needed: tuple[str, ...]) -> tuple[dict | None, str]:
     if missing:
         return None, f"no {', '.join(missing)}"
     for name, value in record.items():
-        if not (_is_number(value) or (value is None and name not in names)):
+        if not (type(value) in (int, float) or (value is None and name not in names)):
             shown = json.dumps(value)
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
             return None, f"its {name} is {shown}, not a number"
@@ -115,25 +101,13 @@ def dedupe(records: Iterable[dict]) -> list[dict]:
     return [first[k] for k in sorted(first, key=lambda k: (k[1], k[0]))]
 
 
-def truncate(
-    path: str,
-    step: int,
-    *,
-    needed: tuple[str, ...] = BASE_NAMES,
-    warn: Callable[[str], None] = warn_stderr,
-) -> list[dict]:
+def truncate(path: str, step: int) -> list[dict]:
     """Cuts the log at `path` back to its records of steps up to `step` (each step
-    once; the lines `read_records` skips are dropped) and returns them."""
-    records = read_records(path, needed=needed, warn=warn)
-    records = dedupe(r for r in records if r["step"] <= step)
+    once; the lines `read_records` skips are dropped), atomically, and returns them."""
+    records = dedupe(r for r in read_records(path) if r["step"] <= step)
     if records or os.path.lexists(path):
-        rewrite(path, records)
+        atomic_write(path, b"".join(_line(r) for r in records))
     return records
-
-
-def rewrite(path: str, records: Iterable[dict]) -> None:
-    """Replaces the log at `path` with `records`, atomically."""
-    atomic_write(path, b"".join(_line(r) for r in records))
 
 
 def _line(record: dict) -> bytes:

@@ -1,9 +1,8 @@
 """An exclusive lock on a directory, so that two processes never train into one: a
-file, `.lock`, holding its owner's pid, host and start time, held with `flock` (the
-kernel releases it when the owner exits, so a lock left by a killed process is taken
-over, and said so). Anything else in the place of the directory or its lock file is
-refused by name, before anything is written."""
+file, `.lock`, naming its owner, held with `flock` (released by the kernel when the
+owner exits: a killed process's lock is taken over, and said so)."""
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -86,10 +85,8 @@ class DirectoryLock:
         except FileNotFoundError:
             return
         if wanted == "directory" and stat.S_ISLNK(mode):
-            try:
+            with contextlib.suppress(OSError):  # a dangling link is not
                 mode = os.stat(path).st_mode  # a link to a directory is one
-            except OSError:
-                pass  # a dangling link
         if (stat.S_ISDIR if wanted == "directory" else stat.S_ISREG)(mode):
             return
         role = self.what if wanted == "directory" else f"{self.what}'s lock"
@@ -138,10 +135,8 @@ class DirectoryLock:
     def __exit__(self, *exc) -> None:
         if self.fd is None:
             return
-        try:
-            os.remove(self.path)  # while still held, so nobody else holds this file
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # while held: nobody else holds this file
+            os.remove(self.path)
         os.close(self.fd)
         self.fd = None
 

@@ -1,12 +1,6 @@
-"""Training for a time budget (`fit(..., seconds=...)`): the budget's check, the clock
-of training seconds, and the learning-rate schedule over the share of the budget
-spent.
-
-The schedule's rate is a function of the optimiser state's step count (the warmup)
-and of the share of the budget spent, which `fit` writes into the state before each
-step (`with_spent`): the compiled step reads it as an input, so nothing compiles
-again, and a checkpoint holds it with the rest of the optimiser state.
-"""
+"""Training for a time budget (`fit(..., seconds=...)`): its check, the clock of
+training seconds, and the schedule over the share of the budget spent, which `fit`
+writes into the optimiser state before each step (`with_spent`)."""
 
 import contextlib
 import math
@@ -73,11 +67,9 @@ class BudgetState(NamedTuple):
 
 
 def budget_rate(count, spent, lr: float, warmup: int, end: float):
-    """The rate at step `count` (0-based) with the share `spent` of the budget
-    gone: `min(lr * count / warmup, end + (lr - end) * (1 + cos(pi * min(spent,
-    1))) / 2)`: a linear warmup over steps, a cosine decay from `lr` to `end` over
-    the budget, whichever is lower (a budget too short for the warmup still
-    decays)."""
+    """The rate at step `count` with the share `spent` of the budget gone: the lower
+    of a linear warmup over steps and a cosine decay from `lr` to `end` over the
+    budget."""
     cosine = end + (lr - end) * (1 + jnp.cos(jnp.pi * jnp.clip(spent, 0, 1))) / 2
     return jnp.minimum(lr * count / warmup, cosine)
 

@@ -48,8 +48,7 @@ class NLL(eqx.Module):
 @eqx.filter_jit
 def _log_prob_nfe_result(model: AbstractFlow, x, key, context=None):
     """The log-density of a checked batch, its evaluations per solve and the first
-    failed solve's result, with no host callback (the caller checks them), so that
-    JAX's persistent compilation cache can store it."""
+    failed solve's result (checked by the caller: no host callback)."""
     logp, stats = model.batch_log_prob(x, key, context=context)
     return logp, stats.total_nfe, stats.first_failure()
 
@@ -85,10 +84,8 @@ def log_prob_batched(
 
     The log-densities as a NumPy array of shape `(n,)`; with `return_nfe`, a pair
     `(log_prob, nfe)`. NaN or inf in `x` raise a `ValueError`, and a failed solve a
-    [`SolverError`][cnftrace.SolverError], both from the host (the compiled program
-    holds no host callback, so JAX's persistent cache keeps it). Host data given to
-    a [`StandardizedFlow`][cnftrace.StandardizedFlow] is standardised in float64
-    first.
+    [`SolverError`][cnftrace.SolverError]. Host data given to a
+    [`StandardizedFlow`][cnftrace.StandardizedFlow] is standardised in float64.
 
     !!! example
 
@@ -178,9 +175,5 @@ def evaluate_nll(
     )
     if not np.all(np.isfinite(lp)):
         raise FloatingPointError("the flow gave a non-finite log-density on `x`.")
-    n = lp.shape[0]
-    return NLL(
-        mean=float(-lp.mean()),
-        stderr=float(lp.std(ddof=1) / math.sqrt(n)),
-        nfe=float(np.mean(nfe)),
-    )
+    stderr = float(lp.std(ddof=1) / math.sqrt(lp.shape[0]))
+    return NLL(mean=float(-lp.mean()), stderr=stderr, nfe=float(nfe))

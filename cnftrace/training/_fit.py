@@ -2,6 +2,7 @@
 progress around it."""
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -46,16 +47,10 @@ def checkpoint_config(
     seconds: float | None = None,
 ) -> dict[str, Any]:
     """The config `fit` stores in (and checks against) its checkpoints: the user's
-    `config` plus what `fit` itself knows, under `fit.`-prefixed keys (the time
-    budget where there is one: its schedule is part of the run)."""
+    `config` plus what `fit` knows, under `fit.`-prefixed keys."""
     budget = {} if seconds is None else {"fit.seconds": seconds}
-    return {
-        **(config or {}),
-        "fit.batch_size": batch_size,
-        "fit.event_shape": list(flow.event_shape),
-        **budget,
-        **objective.config(),
-    }
+    shape = {"fit.batch_size": batch_size, "fit.event_shape": list(flow.event_shape)}
+    return {**(config or {}), **shape, **budget, **objective.config()}
 
 
 def _local_copy(x):
@@ -65,6 +60,10 @@ def _local_copy(x):
 
 def _params(flow: AbstractFlow):
     return eqx.filter(flow, eqx.is_inexact_array)
+
+
+def _with_params(flow: AbstractFlow, params) -> AbstractFlow:
+    return eqx.combine(params, eqx.partition(flow, eqx.is_inexact_array)[1])
 
 
 def fit(
@@ -93,98 +92,63 @@ def fit(
 
     **Arguments:**
 
-    - `flow`: any cnftrace flow: a [`CNF`][cnftrace.CNF], a
-        [`Chain`][cnftrace.Chain] or a [`MultiscaleFlow`][cnftrace.MultiscaleFlow].
-    - `data`: an array of training samples `(n, *event)`, from which batches are
-        drawn with replacement, or a function `(key, batch_size) -> batch` that
-        generates fresh samples. The function runs inside the compiled step, so it
-        must draw with `jax.random` from `key`: one whose batch does not depend on
-        `key` (a NumPy generator, which would be called once, while the step is
-        traced, so that every step trained on that one batch; a fixed array) is
-        refused before training, and so is one JAX cannot trace or one returning
-        another number of samples than `batch_size`. Draw NumPy samples outside
-        and pass them as an array instead.
-        `None` (the default) for an objective that draws its own samples, as
-        training toward a `target` does.
-    - `key`: the PRNG key; the same key gives the same run. Step `i` uses
-        `jax.random.fold_in(key, i)` for its batch and probes, so a resumed run draws
-        exactly what an uninterrupted one would.
-    - `target`: train toward this unnormalised log-density instead of data: a JAX
-        function from a batch `(n, *event_shape)` to `(n,)`, differentiable. It is
-        `objective=`[`ReverseKL`][cnftrace.ReverseKL]`(target)` (reverse KL on
-        samples the flow draws itself, one Hutchinson probe); build a `ReverseKL`
-        for its other settings (the exact trace, "sticking the landing", a mix with
-        maximum likelihood on data). Give no `data` and no `objective` with it.
+    - `flow`: any cnftrace flow ([`CNF`][cnftrace.CNF], [`Chain`][cnftrace.Chain],
+        [`MultiscaleFlow`][cnftrace.MultiscaleFlow]).
+    - `data`: an array of training samples `(n, *event)`, drawn from with
+        replacement, or a function `(key, batch_size) -> batch` run inside the
+        compiled step: it must draw with `jax.random` from `key` (one whose batch
+        does not depend on `key`, such as a NumPy generator, one JAX cannot trace,
+        or one returning another number of samples is refused before training).
+        `None` for an objective that draws its own samples (`target=`).
+    - `key`: the PRNG key. Step `i` draws from `jax.random.fold_in(key, i)`, so a
+        resumed run draws exactly what an uninterrupted one would.
+    - `target`: train toward this unnormalised log-density `(n, *event) -> (n,)`
+        instead of data: `objective=`[`ReverseKL`][cnftrace.ReverseKL]`(target)`;
+        build a `ReverseKL` for its other settings. Give no `data` nor `objective`.
     - `steps`: the total number of optimiser steps (a resumed run stops there too);
         1000 by default. With `seconds`, a cap on the steps (`None`: none).
-    - `seconds`: a time budget: train until this many seconds of training are
-        spent (the step that passes it is the last), on a schedule over the budget
-        ([`budget_cosine_adam`][cnftrace.budget_cosine_adam]`(3e-3)` by default;
-        your own `optimizer` keeps its schedule). Training seconds count the steps
-        and their compilation, not validation nor writing checkpoints; they are
-        stored in the checkpoints, so a resumed run goes on with the seconds it had
-        left and its schedule where it stopped. A positive finite number.
+    - `seconds`: a time budget (a positive finite number): train until this many
+        seconds of training (steps and their compilation, not validation nor
+        checkpoints) are spent, on
+        [`budget_cosine_adam`][cnftrace.budget_cosine_adam]`(3e-3)` unless an
+        `optimizer` is given. The seconds are stored in the checkpoints: a resumed
+        run goes on with those left.
     - `batch_size`: samples per step.
-    - `objective`: what to minimise: `"mle"` (the default), maximum likelihood
-        through the ODE solve with one Rademacher Hutchinson probe, that is
-        [`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`, which also sets the
-        training estimator and RNODE's regularisation; `"fm"`: conditional flow
-        matching, which regresses the vector field onto straight Gaussian paths with
-        no ODE solve in the step, and `"ot-fm"`, the same with minibatch
-        optimal-transport pairing (see [`FlowMatching`][cnftrace.FlowMatching]); or
-        any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
-        keeps the flow's own estimator (for evaluation).
-    - `optimizer`: an optax optimiser. By default (without `seconds`) Adam on a
-        schedule over the run's `steps`
-        ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`):
-        a linear warmup to 3e-3 over the first `min(50, steps // 4)` steps, a cosine
-        decay to 1.5e-4 at the last step, and gradients clipped at a global norm of
-        10.
-    - `context`: for a conditional flow (`context_dim=...`) with array data, one
-        context row per sample of `data`. A generator for a conditional flow
-        returns `(batch, context)` pairs instead.
-    - `validation`: a [`Validation`][cnftrace.Validation] (held-out samples,
-        how often, patience, estimator), or just the held-out samples. The flow is
-        validated before the first step too (step 0 of the history), and the
-        parameters with the best validation NLL are the ones returned: never worse
-        on the held-out samples than the flow `fit` was given.
-    - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints] (directory, how often,
-        how many to keep, the run's config), or just the directory (a `str` or a
-        `pathlib.Path`). A directory
-        holding checkpoints of the same config is resumed from.
-    - `mesh`: train data-parallel over several devices: a `jax.sharding.Mesh`
-        (e.g. [`data_mesh`][cnftrace.data_mesh]`(devices)`), or `"all"` for every
-        device in `jax.devices()`. The parameters and optimiser state are replicated
-        on every device and each batch is split over the mesh's devices, so
-        `batch_size` must be a multiple of their number; the results are those of
-        one device up to floating-point rounding, and checkpoints load on any number
-        of devices. In a multi-process run (after `jax.distributed.initialize`)
-        every process calls `fit` with the same arguments; only process 0 writes
-        checkpoints, shows progress and calls `on_log`. `None` (the default): one
-        device. See the docs' scaling page.
-    - `max_failures`: a step whose loss or gradient is not finite is skipped (the
-        model and optimiser state stay as they were) and counted; after this many
-        consecutive skipped steps training stops with a `TrainingError`.
+    - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`,
+        the default), `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]),
+        or any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
+        keeps its own estimator (for evaluation).
+    - `optimizer`: an optax optimiser; by default (without `seconds`)
+        [`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`.
+    - `context`: for a conditional flow with array data, one context row per
+        sample (a generator returns `(batch, context)` pairs instead).
+    - `validation`: a [`Validation`][cnftrace.Validation], or just held-out samples.
+        The flow is also validated before the first step (step 0), and the
+        parameters with the best validation NLL are returned.
+    - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints], or just a directory
+        (`str` or `pathlib.Path`); one holding checkpoints of the same config is
+        resumed from.
+    - `mesh`: data-parallel training: a `jax.sharding.Mesh`
+        ([`data_mesh`][cnftrace.data_mesh]) or `"all"`; `batch_size` must be a
+        multiple of its devices. In a multi-process run every process calls `fit`
+        alike; process 0 writes checkpoints, shows progress and calls `on_log`.
+        `None`: one device. See the docs' scaling page.
+    - `max_failures`: a step with a non-finite loss or gradient is skipped and
+        counted; this many consecutive skips raise a `TrainingError`.
     - `progress`: show a progress bar.
     - `log_every`: record the history every this many steps.
-    - `on_log`: called with each history record (a dict) as it is logged. With
-        `validation`, the first is the validation of the flow as given, before any
-        step: `{"step": 0, "val_nll": ..., "val_stderr": ...}`, without the
-        training figures (`loss`, `nfe`, ...) that later records carry.
+    - `on_log`: called with each history record (a dict) as it is logged; with
+        `validation`, the first is step 0's `{"step", "val_nll", "val_stderr"}`.
 
-    The host waits for the device only where something is logged, validated or
-    saved; failures (too many skipped steps, an ODE solve that failed, naming its
-    step) are raised there as a [`TrainingError`][cnftrace.TrainingError].
+    Failures (too many skipped steps, a failed ODE solve) raise a
+    [`TrainingError`][cnftrace.TrainingError] on the host, where it next syncs.
 
     **Returns:**
 
-    `(flow, history)`: the trained flow and a dict of lists: `step`, `loss`, `nfe`
-    (forward evaluations per step), `nfe_backward` (backward evaluations, `-1` where
-    not counted, e.g. with `diffrax.BacksolveAdjoint`), `seconds` (training
-    seconds), `skipped`, the objective's own metrics (`kinetic`, `jacobian` when
-    regularised), with a budget `budget` (its seconds), `budget_spent` (the share
-    spent when the step began) and the rate `lr` of the budget's schedule, and
-    `val_step`, `val_nll`, `val_stderr`.
+    `(flow, history)`: the trained flow and a dict of lists: `step`, `loss`, `nfe`,
+    `nfe_backward` (`-1` where not counted), `seconds`, `skipped`, the objective's
+    own metrics, with a budget `budget`, `budget_spent` and `lr`, and `val_step`,
+    `val_nll`, `val_stderr`.
 
     !!! example
 
@@ -228,16 +192,17 @@ def fit(
             "the optimiser's schedule follows a time budget (budget_cosine_adam), "
             "and `seconds` is None: pass `seconds=`, or use warmup_cosine_adam."
         )
-    if validation is not None and not isinstance(validation, Validation):
-        validation = Validation(validation)
     if validation is not None:
+        if not isinstance(validation, Validation):
+            validation = Validation(validation)
         validation = checked_validation(validation, flow)
     lock = contextlib.nullcontext()
     if checkpoints is not None and checkpoints.lock and is_main_process():
         lock = DirectoryLock(checkpoints.directory, "checkpoint directory")
     with lock:
-        length = (steps, seconds)
-        loop = _Loop(trainer, state, length, validation, checkpoints, flow, key)
+        loop = _Loop(
+            trainer, state, (steps, seconds), validation, checkpoints, flow, key
+        )
         try:
             return loop.run(max_failures, progress, log_every, on_log)
         finally:
@@ -264,9 +229,7 @@ def _objective_of(target, objective, data) -> str | AbstractObjective:
 
 def _say_lost_history(path: str, step: int, steps: list[int], logged: int) -> None:
     """One line on stderr where the history file of a run resumed at `step` lacks
-    the record of `logged`, the last step up to it that was logged (deleted, or cut
-    short by hand): the history `fit` returns, and the file, then lack the steps
-    before the resume, and patience counts validations from the resume."""
+    the record of `logged`, the last step up to it that was logged."""
     last = steps[-1] if steps else 0
     if last >= logged:
         return
@@ -299,8 +262,8 @@ class _Loop:
         )
         self.log = _history.Log(None)
         self.resumed = None  # (the history file, the step) of a resumed run
-        # The best validation's step, and its per-sample log-densities (known
-        # again, after a resume, at the next validation).
+        # The best validation's step and per-sample log-densities (after a
+        # resume, evaluated again at the next validation).
         self.best_step: int | None = None
         self.best_rows: np.ndarray | None = None
         best = None
@@ -311,15 +274,12 @@ class _Loop:
                 self.log = _history.Log(path)
         self.state = state
         # A copy of its own: the state is donated to each step.
-        if best is None:
-            best = copy_arrays(_params(state.flow))
-        self.best = best
+        self.best = copy_arrays(_params(state.flow)) if best is None else best
 
     @functools.cached_property
     def val_key(self):
-        """The validation keys' root (used only by stochastic validation estimators),
-        apart from the training keys `fold_in(key, step)`. Made at the first
-        validation: a run without one does not compile it before its first step."""
+        """The validation keys' root, apart from the training keys; made lazily so
+        that a run without validation compiles nothing for it."""
         return jr.fold_in(self.key, 2**31 - 1)
 
     def _resume(self, state: TrainState, history_path: str):
@@ -330,10 +290,7 @@ class _Loop:
         like = (params, state.opt_state, key_to_data(self.key), params)
         like = jax.tree_util.tree_map(_local_copy, like)
         found = latest_good_checkpoint(
-            self.checkpoints.directory,
-            like,
-            self.config,
-            warn=_history.warn_stderr,
+            self.checkpoints.directory, like, self.config, warn=_history.warn_stderr
         )
         # Every process must resume from the same step, or they would deadlock.
         first_step = 0 if found is None else found[0]
@@ -355,18 +312,13 @@ class _Loop:
         self.history = _history.history_from_records(records)
         self.resumed = (history_path, first_step)
         self.best_step = header.get("best_step")
-        skipped = header.get("skipped", 0)
         self.elapsed = header.get("seconds", 0.0)
-        _, static = eqx.partition(state.flow, eqx.is_inexact_array)
-        state = TrainState(
+        state = dataclasses.replace(
+            state,
             step=jnp.asarray(first_step, jnp.int32),
-            flow=eqx.combine(params, static),
+            flow=_with_params(state.flow, params),
             opt_state=opt_state,
-            failures=jnp.zeros((), jnp.int32),
-            skipped=jnp.asarray(skipped, jnp.int32),
-            failed_step=jnp.zeros((), jnp.int32),
-            result=state.result,
-            bad_batch_step=jnp.zeros((), jnp.int32),
+            skipped=jnp.asarray(header.get("skipped", 0), jnp.int32),
         )
         return self.trainer.placed(state), self.trainer.placed(best)
 
@@ -389,12 +341,12 @@ class _Loop:
             unit="it",
         )
         every = None if self.checkpoints is None else self.checkpoints.every
-        if (
-            self.validation is not None
-            and first_step == 0
-            and 0 not in self.history["val_step"]
-        ):
-            self._validate_start(on_log if self.main_process else None)
+        validated = self.history["val_step"]
+        if self.validation is not None and first_step == 0 and 0 not in validated:
+            # Step 0: the flow returned is never worse than the one given.
+            record = self._validate(0, {"step": 0})
+            if on_log is not None and self.main_process:
+                on_log(record)
         # A step that is only logged is logged once the next one has been handed to
         # the device (from its record and a copy of its counters: its state is given
         # to the next step), so that the host's work (the next step's dispatch, this
@@ -475,15 +427,12 @@ class _Loop:
         except BaseException:
             # An interrupted run still records the step it had finished.
             if pending is not None:
-                try:
+                with contextlib.suppress(Exception):
                     finish(*pending, failures=None, report=False)
-                except Exception:
-                    pass
             raise
         bar.close()
         if self.validation is not None:
-            _, static = eqx.partition(self.state.flow, eqx.is_inexact_array)
-            return eqx.combine(self.best, static), self.history
+            return _with_params(self.state.flow, self.best), self.history
         return self.state.flow, self.history
 
     def _record(self, done: int, info: dict, counters) -> dict[str, Any]:
@@ -527,17 +476,14 @@ class _Loop:
 
     def _validate(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
         with self.clock.paused():
-            return self._validated(done, record)
-
-    def _validated(self, done: int, record: dict[str, Any]) -> dict[str, Any]:
-        rows = self._val_rows(self.state.flow, done)
-        mean = float(-rows.mean())
-        stderr = float(rows.std(ddof=1) / np.sqrt(rows.size))
-        _history.append_validation(self.history, done, mean, stderr)
-        self.log.write({"step": done, "val_nll": mean, "val_stderr": stderr})
-        if self._improves(rows):
-            self.best = copy_arrays(_params(self.state.flow))
-            self.best_step, self.best_rows = done, rows
+            rows = self._val_rows(self.state.flow, done)
+            mean = float(-rows.mean())
+            stderr = float(rows.std(ddof=1) / np.sqrt(rows.size))
+            _history.append_validation(self.history, done, mean, stderr)
+            self.log.write({"step": done, "val_nll": mean, "val_stderr": stderr})
+            if self._improves(rows):
+                self.best = copy_arrays(_params(self.state.flow))
+                self.best_step, self.best_rows = done, rows
         return dict(record, val_nll=mean, val_stderr=stderr)
 
     def _improves(self, rows: np.ndarray) -> bool:
@@ -547,23 +493,12 @@ class _Loop:
         if self.best_step is None:
             return True
         if self.best_rows is None:  # resumed: the best parameters evaluated again
-            static = eqx.partition(self.state.flow, eqx.is_inexact_array)[1]
-            best = eqx.combine(self.best, static)
+            best = _with_params(self.state.flow, self.best)
             self.best_rows = self._val_rows(best, self.best_step)
         diff = rows - self.best_rows
         gain = float(diff.mean())
         stderr = float(diff.std(ddof=1) / np.sqrt(diff.size))
         return gain > 0 and gain > self.validation.significance * stderr
-
-    def _validate_start(self, on_log) -> None:
-        """Validates the flow as it starts (step 0), so that the one `fit` returns
-        is never worse on the validation rows than the one it was given: a flow
-        over a fitted base whose field starts at zero is that base, and training
-        keeps only what improves on it. `on_log` gets the record `{"step": 0,
-        "val_nll": ..., "val_stderr": ...}`."""
-        record = self._validate(0, {"step": 0})
-        if on_log is not None:
-            on_log(record)
 
     def _validations_since_best(self) -> int:
         if self.best_step is None:
@@ -573,24 +508,17 @@ class _Loop:
     def _save(self, done: int) -> None:
         if not self.main_process:
             return
-        seconds = self.clock()
-        with self.clock.paused():
-            self._write_checkpoint(done, seconds)
-
-    def _write_checkpoint(self, done: int, seconds: float) -> None:
+        extra = {"skipped": int(self.state.skipped), "seconds": round(self.clock(), 3)}
         params = _params(self.state.flow)
         best = self.best if self.validation is not None else params
         state = (params, self.state.opt_state, key_to_data(self.key), best)
-        self.log.sync()  # the history file covers every checkpoint
-        save_checkpoint(
-            self.checkpoints.directory,
-            done,
-            state,
-            self.config,
-            keep=self.checkpoints.keep,
-            extra={
-                "skipped": int(self.state.skipped),
-                "seconds": round(seconds, 3),
-                "best_step": self.best_step,
-            },
-        )
+        with self.clock.paused():
+            self.log.sync()  # the history file covers every checkpoint
+            save_checkpoint(
+                self.checkpoints.directory,
+                done,
+                state,
+                self.config,
+                keep=self.checkpoints.keep,
+                extra=extra | {"best_step": self.best_step},
+            )

@@ -13,18 +13,10 @@ from ._budget import scale_by_budget
 def default_optimizer(
     steps: int | None, seconds: float | None = None
 ) -> optax.GradientTransformation:
-    """The optimiser of `fit` and `Trainer` when none is given. `steps`: the run's
-    length where known (`fit` passes it), for a schedule; `seconds`: its time
-    budget, if it has one, for a schedule over it
-    ([`budget_cosine_adam`][cnftrace.budget_cosine_adam]).
-
-    For a run of known length, Adam with a short warmup to 3e-3 and a cosine decay to
-    1.5e-4 at the last step, gradients clipped at a global norm of 10
-    ([`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]): on the docs' quality page
-    it left a smaller gap than a constant rate after the same steps. Without a
-    length (a bare `Trainer`), a constant Adam at 1e-3, the best constant rate
-    measured there.
-    """
+    """The optimiser of `fit` and `Trainer` when none is given:
+    [`budget_cosine_adam`][cnftrace.budget_cosine_adam] with a time budget
+    `seconds`, [`warmup_cosine_adam`][cnftrace.warmup_cosine_adam] over `steps`
+    where the length is known, else a constant Adam (docs/quality.md says why)."""
     if seconds is not None:
         return budget_cosine_adam(LR)
     if steps is None:
@@ -43,9 +35,8 @@ def warmup_cosine_adam(
 ) -> optax.GradientTransformation:
     """Adam (AdamW with `weight_decay`) on a schedule: a linear warmup from 0 to
     `lr`, then a cosine decay to `end_factor * lr` (`lr / 20` by default) at step
-    `steps`, held there after;
-    the gradient's global norm clipped at `clip` first (`None`: no clipping). The
-    schedule of the command line, the demo and the experiments.
+    `steps`, held there after; the gradient's global norm clipped at `clip` first
+    (`None`: no clipping).
 
     **Arguments:**
 
@@ -90,17 +81,10 @@ def budget_cosine_adam(
 ) -> optax.GradientTransformation:
     """[`warmup_cosine_adam`][cnftrace.warmup_cosine_adam] over a time budget rather
     than a number of steps: the optimiser of [`fit`][cnftrace.fit]`(...,
-    seconds=...)`. The rate at step `count` (0-based), with the share `spent` of the
-    budget gone when the step began, is
-
-        min(lr * count / warmup, end + (lr - end) * (1 + cos(pi * min(spent, 1))) / 2)
-
-    with `end = end_factor * lr` (`lr / 20` by default): a linear warmup over
-    `warmup` steps, and a cosine decay from `lr` to `end` as the budget is spent,
-    whichever is lower. `fit` writes `spent` into the optimiser's state before each
-    step, so the rate follows the clock without compiling again, and a resumed run
-    goes on where its schedule stopped; its history records each step's rate
-    (`lr`). Without `seconds` `fit` refuses it: nothing would spend the budget.
+    seconds=...)`. The rate is the lower of a linear warmup over `warmup` steps and
+    a cosine decay from `lr` to `end_factor * lr` (`lr / 20` by default) as the
+    budget is spent; `fit` writes the share spent into the optimiser's state before
+    each step, and records each step's rate (`lr`).
 
     **Arguments:** as for `warmup_cosine_adam`, less the horizon.
 
@@ -124,8 +108,7 @@ def budget_cosine_adam(
 
 
 def _outside_bases(params):
-    """A mask of `params` (a flow's): `False` for the parameters of its base
-    distributions, `True` for the rest."""
+    """A mask of a flow's `params`: `False` for its base distributions'."""
 
     def mask(node):
         if isinstance(node, AbstractBase):

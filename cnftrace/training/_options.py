@@ -1,7 +1,6 @@
-"""`fit`'s option classes: `Validation` (held-out data, how often, when to stop,
-which gain counts) and `Checkpoints` (where, how often, how many, under which
-config), and `fit`'s checks of them."""
+"""`fit`'s option classes, `Validation` and `Checkpoints`, and its checks of them."""
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +16,7 @@ from ..store._history import HISTORY_NAME
 
 
 def _int(name: str, none: bool = False) -> Callable:
-    """A field's converter: a NumPy integer to a Python `int` (a static field must
-    not hold an array), after `check_int`; `None` kept where `none`."""
+    """A field's converter to a checked Python `int`; `None` kept where `none`."""
     return lambda value: value if none and value is None else check_int(name, value)
 
 
@@ -27,10 +25,8 @@ class Validation(eqx.Module):
     `every` steps and at the end, the NLL of held-out samples is computed, and the
     best validated parameters are the ones `fit` returns.
 
-    A validation replaces the best one only where its gain is clear: the mean of
-    the per-sample log-density differences against the best one's exceeds
-    `significance` standard errors of that mean (a paired comparison), so that a
-    lower NLL by chance on a few dozen held-out rows does not win.
+    A validation replaces the best one only where the mean of its per-sample
+    log-density gains over the best one's exceeds `significance` standard errors.
 
     **Arguments:**
 
@@ -71,16 +67,12 @@ class Validation(eqx.Module):
 class Checkpoints(eqx.Module):
     """[`fit`][cnftrace.fit]'s checkpoint settings: the model, optimiser state, step,
     key and config are written to `directory` every `every` steps and at the end,
-    keeping the newest `keep` that load. If `directory` already holds checkpoints of
-    the same config, training resumes from the newest good one (corrupted ones, and
-    anything that is not a regular file, are reported and skipped) and continues
-    exactly as an uninterrupted run would.
-
-    The history is kept in a file of its own (one JSON record per logged step or
-    validation), cut back to the checkpoint's step on resume, so the history `fit`
-    returns holds every step exactly once. While `fit` runs, it holds the
-    directory's lock (`directory/.lock`): a second `fit` on the same directory is
-    refused, naming the first; a lock left by a killed process is taken over.
+    keeping the newest `keep` that load. A directory holding checkpoints of the same
+    config is resumed from the newest good one (bad ones are reported and skipped),
+    exactly as an uninterrupted run would go on. The history (one JSON record per
+    line) is cut back to the checkpoint's step on resume. While `fit` runs it holds
+    the directory's lock (`directory/.lock`); a lock of a killed process is taken
+    over.
 
     **Arguments:**
 
@@ -90,10 +82,8 @@ class Checkpoints(eqx.Module):
     - `config`: a JSON-serialisable dict describing the run; a checkpoint written
         under another config is refused, naming the differences.
     - `history`: the history file; `None` for `directory/history.jsonl`.
-    - `lock`: whether `fit` takes the directory's lock. `False` only where the
-        caller already holds a lock that covers the directory: the command line
-        holds its run directory's, and its run keeps one lock and one history
-        file (`RUN_DIR/metrics.jsonl`).
+    - `lock`: whether `fit` takes the directory's lock; `False` only where the
+        caller already holds one covering it (as the command line does).
 
     !!! example
 
@@ -161,11 +151,6 @@ def checked_validation(validation: Validation, flow: AbstractFlow) -> Validation
         host=True,
     )
     estimator = Exact() if validation.estimator is None else validation.estimator
-    return Validation(
-        data,
-        context,
-        validation.every,
-        validation.patience,
-        estimator,
-        validation.significance,
+    return dataclasses.replace(
+        validation, data=data, context=context, estimator=estimator
     )

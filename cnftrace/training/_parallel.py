@@ -1,9 +1,6 @@
-"""Data-parallel training with JAX's own sharding: `fit(..., mesh=...)` keeps the
-parameters and the optimiser state replicated on every device of a mesh and splits
-each batch over them; the compiler partitions the step. Several processes join
-through `jax.distributed.initialize` and run the same program on the same data and
-key, each keeping its devices' part of the batch; only process 0 writes checkpoints
-and shows progress."""
+"""Data-parallel training with JAX's own sharding: `fit(..., mesh=...)` replicates
+the parameters and optimiser state over a mesh and splits each batch over it; in a
+multi-process run only process 0 writes checkpoints and shows progress."""
 
 from collections.abc import Sequence
 from typing import Literal
@@ -66,9 +63,7 @@ class DataParallel:
     state on them. Built by `resolve_mesh`; `None` there means one device."""
 
     def __init__(self, mesh: Mesh):
-        # Only the devices and axis names are used. The axis types are made `Auto`,
-        # so that a mesh from `jax.make_mesh` (explicit axes by default) works too:
-        # the step is partitioned by the compiler, not by sharding-in-types.
+        # `Auto` axes, so that `jax.make_mesh`'s explicit ones work too.
         self.mesh = Mesh(
             mesh.devices,
             mesh.axis_names,
@@ -84,11 +79,8 @@ class DataParallel:
         return self.mesh.devices.size
 
     def replicate(self, tree):
-        """`tree` with every array leaf replicated over the mesh.
-
-        Built from host copies with `jax.make_array_from_callback`, which also works
-        when the mesh spans several processes (each process must hold the same
-        values, which `fit` guarantees: same flow, key and checkpoint)."""
+        """`tree` with every array leaf replicated over the mesh, from host copies
+        (which also works over several processes holding the same values)."""
 
         def put(x):
             if not isinstance(x, (jax.Array, np.ndarray, np.generic)):

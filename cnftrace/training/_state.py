@@ -79,13 +79,9 @@ class StepCounters(eqx.Module):
     @classmethod
     def of(cls, state: TrainState) -> "StepCounters":
         [result] = jax.tree_util.tree_leaves(state.result)
+        s = state
         return cls(
-            state.step,
-            state.failures,
-            state.skipped,
-            state.failed_step,
-            result,
-            state.bad_batch_step,
+            s.step, s.failures, s.skipped, s.failed_step, result, s.bad_batch_step
         )
 
     @classmethod

@@ -1,10 +1,5 @@
-"""One training step, jitted, over a state that each step replaces.
-
-Failures travel in the state (diffrax-style): a step whose loss or gradient is not
-finite is skipped and counted, a step whose ODE solve failed freezes the state and
-records the step and diffrax's result. Nothing raises inside the compiled step;
-`Trainer.check` raises on the host, wherever the caller syncs.
-"""
+"""One training step, jitted, over a state that each step replaces. Failures travel
+in the state (diffrax-style) and `Trainer.check` raises for them on the host."""
 
 from collections.abc import Callable
 from typing import Any
@@ -48,30 +43,12 @@ def _committed(x):
 
 @eqx.filter_jit
 def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
-    """A copy of `params` in buffers of its own, and the optimiser's fresh state if
-    `init`: one program (run op by op, the optimiser's `init` compiles a program for
-    each parameter shape). The copies are strongly typed (a weakly typed parameter,
-    `jnp.asarray(1.0)` say, would come out of the first update strongly typed, and
-    the step would compile again for it)."""
+    """A strongly typed copy of `params` in buffers of its own (a weakly typed one
+    would make the second step compile again), and the optimiser's fresh state if
+    `init`, in one program."""
     strong = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
     params = copy_arrays(strong)  # a copy, not the caller's buffers forwarded
     return params, optimizer.init(params) if init else None
-
-
-def _all_finite(tree) -> Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def _discrete_adjoints(flow: AbstractFlow) -> bool:
-    """Whether every block differentiates its solve by backpropagating through the
-    solver's steps, so that its backward evaluations can be counted."""
-    return all(not isinstance(b.adjoint, diffrax.BacksolveAdjoint) for b in flow.blocks)
-
-
-def _as_pair(out) -> tuple[Array, Array | None]:
-    """A generator's output as `(batch, context or None)`."""
-    return out if isinstance(out, tuple) else (out, None)
 
 
 class _ArraySampler(eqx.Module):
@@ -89,9 +66,8 @@ class _ArraySampler(eqx.Module):
 
 
 class _NoData(eqx.Module):
-    """The batch of an objective that needs no data (`objective.needs_data` is
-    False): zeros of shape `(batch_size, 0)`, whose length says how many samples to
-    draw and whose dtype (JAX's default float when the trainer was made) in which."""
+    """The batch of an objective that needs no data: zeros of shape
+    `(batch_size, 0)`, saying how many samples to draw and in which dtype."""
 
     dtype: Any = eqx.field(static=True)
 
@@ -101,15 +77,14 @@ class _NoData(eqx.Module):
 
 
 class _GeneratorSampler(eqx.Module):
-    """Fresh batches from `data(key, batch_size)`, checked as they come (an array is
-    checked once, up front). The check is a flag, not a host callback, so that the
-    compiled step can be stored in the persistent compilation cache: a bad batch
-    stops the step before any update, and `Trainer.check` raises for it."""
+    """Fresh batches from `data(key, batch_size)`, flagged `bad` where not finite
+    (a flag, not a host callback, so that the step can be cached on disk)."""
 
     data: Callable
 
     def __call__(self, key, batch_size):
-        batch, ctx = _as_pair(self.data(key, batch_size))
+        out = self.data(key, batch_size)
+        batch, ctx = out if isinstance(out, tuple) else (out, None)
         bad = jnp.any(~jnp.isfinite(batch))
         if ctx is not None:
             bad = bad | jnp.any(~jnp.isfinite(ctx))
@@ -118,9 +93,8 @@ class _GeneratorSampler(eqx.Module):
 
 def _traced_generator(data: Callable, key, batch_size: int):
     """`(shapes, depends)`: the shapes and dtypes of `data(key, batch_size)`, and
-    whether its batch (the first of a pair) depends on `key`, from its jaxpr (a
-    trace, no run). A function that cannot be traced (it turns `key` into a NumPy
-    value) is a `TypeError` saying so: the step calls it inside one program."""
+    whether its batch depends on `key`, from its jaxpr; a `TypeError` where it
+    cannot be traced."""
     try:
         jaxpr, shapes = jax.make_jaxpr(
             lambda key: data(key, batch_size), return_shape=True
@@ -144,35 +118,25 @@ def _traced_generator(data: Callable, key, batch_size: int):
 class Trainer(eqx.Module):
     """A training run's settings and its jitted step: batches from `data`, the
     `objective`'s loss and gradient, an `optimizer` update. [`fit`][cnftrace.fit] is
-    a loop over this step; use it directly for loops of your own (a time budget,
-    say).
+    a loop over this step; use it directly for loops of your own.
 
     **Arguments:**
 
-    - `data`: an array of training samples `(n, *event)`, from which batches are
-        drawn with replacement, or a function `(key, batch_size) -> batch` (for a
-        conditional flow, `-> (batch, context)`) that generates fresh samples with
-        `jax.random` from `key`, inside the step: one whose batch does not depend on
-        `key` (a NumPy generator), or that JAX cannot trace, is refused (see
-        [`fit`][cnftrace.fit]).
-        `None` for an objective that draws its own samples (its `needs_data` is
-        False, as for [`ReverseKL`][cnftrace.ReverseKL]).
-    - `key`: the run's PRNG key. Step `i` draws its batch and its loss's randomness
-        from `jax.random.fold_in(key, i)`, so a run is reproducible and resumable.
-    - `objective`: an objective ([`MaximumLikelihood`][cnftrace.MaximumLikelihood],
-        [`FlowMatching`][cnftrace.FlowMatching], or your own
-        [`AbstractObjective`][cnftrace.AbstractObjective]), or `"mle"`, `"fm"`,
-        `"ot-fm"`.
+    - `data`: training samples `(n, *event)` or a function `(key, batch_size) ->
+        batch` (`-> (batch, context)` for a conditional flow), as for
+        [`fit`][cnftrace.fit]; `None` for an objective that draws its own samples
+        (as [`ReverseKL`][cnftrace.ReverseKL] does).
+    - `key`: the run's PRNG key; step `i` draws from `jax.random.fold_in(key, i)`.
+    - `objective`: an [`AbstractObjective`][cnftrace.AbstractObjective], or
+        `"mle"`, `"fm"`, `"ot-fm"`.
     - `optimizer`: an optax optimiser; `optax.adam(1e-3)` by default.
     - `batch_size`: samples per step.
     - `context`: with array data for a conditional flow, one context row per sample.
     - `mesh`: data-parallel training, as for [`fit`][cnftrace.fit].
 
-    A step skips (leaves the parameters and optimiser state as they were, and
-    counts) an update whose loss or gradient is not finite, and freezes the state
-    at a failed ODE solve; [`check`][cnftrace.Trainer.check] raises for either on the
-    host. Updates are cast to each parameter's dtype, so that a float32 flow stays
-    float32 when float64 is enabled (an optax schedule is then float64).
+    A step skips (and counts) an update whose loss or gradient is not finite, and
+    freezes the state at a failed ODE solve; [`check`][cnftrace.Trainer.check]
+    raises for either on the host. Updates keep each parameter's dtype.
 
     !!! example
 
@@ -237,13 +201,8 @@ class Trainer(eqx.Module):
         self.sample = sample
 
     def check_data(self, flow: AbstractFlow) -> None:
-        """Checks the data against `flow` (shapes, dtypes, contexts), so that a
-        mismatch fails here rather than inside the compiled step. A generator is
-        traced, not run, for the shapes and dtypes of a batch of `batch_size`
-        samples and for its batch's dependence on the key (one that does not
-        depend on it would give every step the same batch); its values are
-        checked in every step: a batch with NaN or inf stops the step, and `check`
-        raises for it."""
+        """Checks the data against `flow` (shapes, dtypes, contexts) before the
+        compiled step; a generator is traced, not run, and must depend on the key."""
         conditional = flow.context_dim is not None
         if isinstance(self.sample, _NoData):
             return
@@ -291,20 +250,18 @@ class Trainer(eqx.Module):
 
     def init(self, flow: AbstractFlow, *, opt_state: PyTree = None) -> TrainState:
         """The state before the first step: checks `flow` against the data and the
-        objective, and copies its parameters (the step that `fit` runs donates its
-        buffers, so the caller's flow stays usable). `opt_state`: the optimiser's
-        state to start from (a resumed run's); a fresh one by default."""
+        objective, and copies its parameters (so the caller's flow survives a
+        donating step). `opt_state`: the optimiser's state to start from; a fresh
+        one by default."""
         self.check_data(flow)
         self.objective.check(flow)
         params, static = eqx.partition(flow, eqx.is_inexact_array)
         params, fresh = _copy_and_init(params, self.optimizer, opt_state is None)
         opt_state = fresh if opt_state is None else opt_state
-        # Distinct buffers: the step that `fit` runs donates each of them.
+        # Distinct int32 buffers whatever JAX's default integer: each is donated.
         zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
         state = TrainState(
-            # Counters of one dtype whatever JAX's default integer (the update
-            # keeps them so: the step is compiled for the types it returns).
-            step=jnp.zeros((), jnp.int32),
+            step=zero(),
             flow=eqx.combine(params, static),
             opt_state=opt_state,
             failures=zero(),
@@ -320,9 +277,7 @@ class Trainer(eqx.Module):
         device)."""
         if self.mesh is not None:
             return self.mesh.replicate(state)
-        # The step returns JAX arrays committed to its device; a first state of
-        # NumPy leaves (diffrax's result codes) or uncommitted arrays would make the
-        # second step compile (or load) a second program.
+        # Committed like the step's output, or the second step would compile again.
         return jax.tree_util.tree_map(_committed, state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
@@ -369,15 +324,15 @@ def _check_data_needed(data, objective: AbstractObjective) -> None:
 
 
 def _gradient(trainer: Trainer, flow: AbstractFlow, batch, ctx, key):
-    """The objective's gradient with respect to the flow's parameters, on `batch`
-    with the loss's randomness from `key`: `(info, grads, finite, result)`, the
-    step's record (`loss`, the objective's metrics, `nfe`, `nfe_backward`), the
-    gradient, whether the loss and the gradient are finite, and diffrax's result of
-    the solves behind it."""
+    """`(info, grads, finite, result)`: the step's record, the objective's gradient
+    on `batch`, whether loss and gradient are finite, and the solves' result."""
     params, static = eqx.partition(flow, eqx.is_inexact_array)
     # The gradient with respect to `counter` counts the backward pass's evaluations
-    # of the vector fields (exact for discrete adjoints; see CNFTerm.make_args).
-    counter = jnp.zeros((), batch.dtype) if _discrete_adjoints(flow) else None
+    # of the vector fields, where every block backpropagates through its solver.
+    backsolve = any(
+        isinstance(b.adjoint, diffrax.BacksolveAdjoint) for b in flow.blocks
+    )
+    counter = None if backsolve else jnp.zeros((), batch.dtype)
 
     def loss_fn(params, counter):
         return trainer.objective.loss(
@@ -398,14 +353,15 @@ def _gradient(trainer: Trainer, flow: AbstractFlow, batch, ctx, key):
             jnp.round(backward).astype(int) if backward is not None else -1
         )
     info = {k: jnp.asarray(v) for k, v in info.items()}
-    finite = jnp.isfinite(loss) & _all_finite(grads)
+    finite = [jnp.isfinite(loss)]
+    finite += [jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]
+    finite = jnp.all(jnp.stack(finite))
     return info, grads, finite, result
 
 
 def _update(trainer: Trainer, state: TrainState, bad_batch, grads, finite, result):
-    """`(state, skipped)`: the state after a step whose gradient is `grads`, given
-    whether it and the loss are `finite` and the solves' `result`: the optimiser's
-    update, unless the step failed or is skipped."""
+    """`(state, skipped)`: the state after the optimiser's update of `grads`,
+    unless the step failed or is skipped."""
     params, static = eqx.partition(state.flow, eqx.is_inexact_array)
     solved = result == diffrax.RESULTS.successful
     frozen = (state.failed_step > 0) | (state.bad_batch_step > 0)
@@ -455,8 +411,6 @@ def _train_step(trainer: Trainer, state: TrainState):
     return state, info
 
 
-# The step as one program, traced once for each trainer's and state's static parts
-# (equinox keys its cache by them). `fit` never reuses a state, so its step takes
-# the state's buffers for the new one.
+# `fit` never reuses a state, so its step donates the state's buffers.
 jitted_step = eqx.filter_jit(_train_step)
 jitted_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
