@@ -1,13 +1,8 @@
 """Sketch-based trace estimators: Hutch++ (Meyer, Musco, Musco and Woodruff, 2021)
 and XTrace (Epperly, Tropp and Webber, 2024).
 
-Both take the trace of `A` exactly on a sketch, the span of `A Omega` for random
-test vectors `Omega`, and estimate only the remainder with probes, so their variance
-is far below [`Hutchinson`][cnftrace.Hutchinson]'s when the spectrum decays fast.
-Both reduce to one function of a batched matrix-vector product
-`mv: (k, n) -> (k, n)` acting on rows, shared by [`cnftrace.trace`][cnftrace.trace]
-(on a lineax operator) and `estimate` (on a Jacobian, through `jax.linearize`).
-Only real operators are supported."""
+Both run on a batched matrix-vector product `mv: (k, n) -> (k, n)` on rows; real
+operators only."""
 
 import abc
 import math
@@ -43,12 +38,8 @@ def _hutchpp_trace(mv: BatchedMatvec, probes: Float[Array, "2k n"]) -> Array:
 
 
 def _inverse_rows(r: Float[Array, "m m"]) -> Float[Array, "m m"]:
-    """`R^{-1}` for an invertible upper-triangular `R` (entries below the diagonal are
-    ignored), by back substitution, one row at a time from the last.
-
-    Unrolled plain XLA operations (`m` is static and small), rather than LAPACK's
-    `trsm` or a loop primitive: see `_xtrace_trace`.
-    """
+    """`R^{-1}` of an upper-triangular `R` by unrolled back substitution (no LAPACK
+    or loop primitive: see `_xtrace_trace`)."""
     m = r.shape[0]
     eye = jnp.eye(m, dtype=r.dtype)
     inverse = jnp.zeros_like(r)
@@ -58,16 +49,9 @@ def _inverse_rows(r: Float[Array, "m m"]) -> Float[Array, "m m"]:
 
 
 def _leave_one_out_projectors(r: Float[Array, "m m"]) -> Float[Array, "m m m"]:
-    """For each `i`, the projector `M_i` onto the span of the columns of `R` but the
-    `i`-th, in the coordinates of `Q`: then `Q M_i Q^T` projects onto the span of `Y`
-    without `y_i`, which does not depend on the `i`-th test vector.
-
-    For an invertible `R`, `M_i = I - s_i s_i^T` with `s_i` the normalised `i`-th column
-    of `R^{-T}` (orthogonal to every column of `R` but the `i`-th). If `R` is singular
-    (a diagonal entry below `m eps max|R_jj|`), the columns of `R` without the `i`-th
-    may span fewer than `m - 1` dimensions; then `M_i` comes from their singular
-    vectors, keeping singular values above that threshold.
-    """
+    """Per `i`, the projector `M_i` onto the columns of `R` but the `i`-th, in `Q`'s
+    coordinates: `I - s_i s_i^T` from `R^{-T}`, or from singular vectors if `R` is
+    singular."""
     m = r.shape[0]
     # Neither construction changes when R is scaled: make max|R_jj| = 1.
     scale = jax.lax.stop_gradient(jnp.max(jnp.abs(jnp.diagonal(r))))
@@ -76,16 +60,14 @@ def _leave_one_out_projectors(r: Float[Array, "m m"]) -> Float[Array, "m m m"]:
     diag = jnp.diagonal(r)
     singular = jnp.any(jnp.abs(diag) < tol)
 
-    # Invertible R. (Tiny diagonal entries are lifted so that this branch stays finite
-    # where it is not selected.)
+    # Invertible R; tiny diagonal entries lifted to keep the unselected branch finite.
     lift = jnp.where(diag < 0, -tol, tol) - diag
     s = _inverse_rows(r + jnp.diag(jnp.where(jnp.abs(diag) < tol, lift, 0))).T
     s = s / jax.lax.stop_gradient(jnp.max(jnp.abs(s), axis=0, keepdims=True))
     s = s / jnp.linalg.norm(s, axis=0, keepdims=True)
     invertible = jnp.eye(m, dtype=r.dtype)[None] - jnp.einsum("ai,bi->iab", s, s)
 
-    # Singular R. Where it is not selected it gets a harmless input instead, so that its
-    # derivative is finite (and multiplied by zero).
+    # Singular R; a harmless input where unselected keeps its derivative finite.
     harmless = jnp.diag(jnp.arange(1, m + 1, dtype=r.dtype))
     others = np.array([[j for j in range(m) if j != i] for i in range(m)])
     r_others = jnp.moveaxis(jnp.where(singular, r, harmless)[:, others], 1, 0)
@@ -99,12 +81,8 @@ def _xtrace_trace(mv: BatchedMatvec, omega: Float[Array, "m n"]) -> Array:
     """XTrace from `m` test vectors (rows of `omega`), with `2m` matvecs."""
     y = mv(omega)  # rows y_i = A w_i
     q, _ = jnp.linalg.qr(y.T)  # Y = Q R, Q (n, m)
-    # R = Q^T Y, recomputed from Q rather than taken from the QR decomposition, so
-    # that the SVD below depends on Q. On CPU, jaxlib's batched LAPACK kernels wait
-    # inside XLA's thread pool for work they queue on it, so two of them running at
-    # once (here the SVD and the kernel that forms Q) can deadlock a 2-core machine
-    # (jaxlib 0.10.2). For the same reason R^{-1} is computed with neither LAPACK nor
-    # a loop primitive (whose thunk also waits in the pool) beside the SVD.
+    # R = Q^T Y, recomputed so the SVD below depends on Q: two concurrent LAPACK
+    # kernels (or loop thunks) can deadlock XLA's CPU pool (docs/trace-estimators.md).
     r = q.T @ y.T
     z = mv(q.T)  # rows A q_j, i.e. z = Z^T with Z = A Q
     h = q.T @ z.T  # H = Q^T A Q
@@ -127,11 +105,7 @@ def _xtrace_trace(mv: BatchedMatvec, omega: Float[Array, "m n"]) -> Array:
 class AbstractSketchEstimator(AbstractEstimator):
     """Base class of the estimators that need only a batched matrix-vector product.
 
-    Subclasses say how many random vectors one estimate draws (`num_vectors`) and how
-    many columns the sketch has (`sketch_size`, at most the operator's size), and
-    compute the estimate from a batched `mv` (`_trace`). Here, `draw` checks the
-    operator's size and draws the vectors, `trace_of_matvec` checks them and calls
-    `_trace`, and `estimate` runs it on the Jacobian of `fn`.
+    Subclasses give `num_vectors`, `sketch_size` and `_trace(mv, probes)`.
     """
 
     stochastic: ClassVar[bool] = True
@@ -232,10 +206,7 @@ class HutchPlusPlus(AbstractSketchEstimator):
 
         tr(Q^T A Q) + (1/k) sum_j g_j^T (I - QQ^T) A (I - QQ^T) g_j,
 
-    at a cost of `3k` products with `A`. It is unbiased for any square real `A` and
-    exact when `rank(A) <= k`; for a positive semi-definite `A` its standard
-    deviation falls like `1/k` rather than Hutchinson's `1/sqrt(k)` (Meyer et al.).
-    On a flat spectrum it is noisier than Hutchinson with the same budget.
+    at a cost of `3k` products with `A`: unbiased, and exact when `rank(A) <= k`.
 
     **Arguments:**
 
@@ -245,9 +216,8 @@ class HutchPlusPlus(AbstractSketchEstimator):
         Rademacher vectors of a small operator may coincide (up to sign), and such
         a draw has no gradient.
 
-    [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample:
-    the sketch, then the probes. Gradients need `A S` of full column rank (JAX
-    differentiates the QR decomposition through `R^{-1}`).
+    [`draw`][cnftrace.AbstractEstimator.draw] returns `2k` vectors per sample
+    (sketch, then probes). Gradients need `A S` of full column rank.
 
     !!! example
 
@@ -292,11 +262,8 @@ class XTrace(AbstractSketchEstimator):
 
         tr(P_i A P_i) + w_i^T (I - P_i) A (I - P_i) w_i
 
-    is an unbiased estimate; XTrace returns their mean. All `m` projectors come from
-    the one QR decomposition: `P_i = Q (I - s_i s_i^T) Q^T` with `s_i` the normalised
-    `i`-th column of `R^{-T}`. It is unbiased for any square real `A`, exact when
-    `rank(A) <= m - 1`, and usually has a lower variance than Hutch++ at the same
-    budget since each vector serves twice.
+    is an unbiased estimate; XTrace returns their mean. It is exact when
+    `rank(A) <= m - 1`.
 
     **Arguments:**
 
@@ -306,10 +273,8 @@ class XTrace(AbstractSketchEstimator):
     - `sampler`: `"gaussian"` (default) or `"rademacher"` (see
         [`HutchPlusPlus`][cnftrace.HutchPlusPlus] on the choice).
 
-    A rank-deficient `A W` makes `R` singular: such a draw is detected and each
-    `P_i` built from the singular vectors of `R` without its `i`-th column, so the
-    estimate stays finite and unbiased. Gradients need `A W` of full column rank
-    (JAX differentiates the QR decomposition through `R^{-1}`).
+    A rank-deficient `A W` still gives a finite, unbiased estimate; gradients need
+    `A W` of full column rank.
 
     !!! example
 
