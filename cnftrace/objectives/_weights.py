@@ -1,13 +1,7 @@
 """Importance weights of a flow's samples toward an unnormalised target, and what
 they say: the effective sample size, the Pareto-smoothed k-hat of their tail, the
 target's normaliser `log Z` with its standard error, and reweighted expectations.
-
-A flow gives every sample its exact log-density `log q(x)`, so the weight
-`w = p~(x) / q(x)` of a sample toward an unnormalised target `p~ = Z p` is exact, and
-`mean(w)` is an unbiased estimate of `Z`. This needs `log q` itself: a Hutchinson
-estimate `log q + e` with `E[e] = 0` gives `E[exp(-e)] > 1` (Jensen), an estimate of `Z`
-biased upwards, so the weights here come from the exact trace by default.
-"""
+The weights use the exact trace by default: a stochastic `log q` biases `Z` upwards."""
 
 import math
 import warnings
@@ -29,8 +23,7 @@ from ..flows import AbstractFlow, SolverError
 from ..flows._inputs import need_key
 from ._target import LogDensity, check_log_target
 
-# The k-hat above which importance sampling is unreliable, whatever the number of
-# samples (Vehtari et al. 2024, "Pareto smoothed importance sampling", section 3).
+# Above this k-hat importance sampling is unreliable (Vehtari et al. 2024, sec. 3).
 KHAT_LIMIT = 0.7
 
 
@@ -42,9 +35,8 @@ def _logsumexp(a: np.ndarray) -> float:
 
 
 def _gpd_fit(tail: np.ndarray) -> float:
-    """The shape `k` of a generalised Pareto distribution fitted to the exceedances
-    `tail` (positive, sorted ascending) by Zhang and Stephens' (2009) empirical
-    Bayes estimate, shrunk towards 0.5 by a weak prior as in PSIS (Vehtari et al.)."""
+    """The generalised Pareto shape `k` of the sorted positive exceedances `tail`
+    (Zhang and Stephens 2009, shrunk towards 0.5 as in PSIS)."""
     m = tail.size
     grid = 30 + int(math.sqrt(m))
     j = np.arange(1, grid + 1, dtype=np.float64)
@@ -62,11 +54,9 @@ def _gpd_fit(tail: np.ndarray) -> float:
 
 
 def pareto_khat(log_weights) -> float:
-    """The Pareto-smoothed importance sampling diagnostic k-hat of a set of log
-    importance weights (Vehtari, Simpson, Gelman, Yao and Gabry, 2024): the shape of
-    a generalised Pareto distribution fitted to the largest `min(n / 5, 3 sqrt(n))`
-    weights. The weights' variance is finite for `k < 0.5`, their mean for `k < 1`;
-    above 0.7 importance sampling is unreliable whatever the number of samples.
+    """The Pareto-smoothed importance sampling diagnostic k-hat of log importance
+    weights (Vehtari et al. 2024): the generalised Pareto shape of the largest
+    `min(n / 5, 3 sqrt(n))` weights; above 0.7 the weights are unreliable.
 
     **Arguments:**
 
@@ -105,15 +95,10 @@ def pareto_khat(log_weights) -> float:
 
 
 class ImportanceWeights(eqx.Module):
-    """Importance weights `log w = log_target - log q` of samples drawn from a flow
-    `q` toward an unnormalised target, and their diagnostics, computed on the host
-    in float64. [`importance_weights`][cnftrace.importance_weights] draws the
-    samples and builds one; build one yourself from `log_q` and `log_target` of
-    samples drawn elsewhere.
-
-    Samples whose `log_target` is not finite are counted (`nonfinite`) and reported
-    with a warning, never dropped: a `-inf` is a weight of zero; a NaN or `+inf`
-    makes every estimate NaN.
+    """Importance weights `log w = log_target - log q` of samples from a flow `q`
+    toward an unnormalised target, and their diagnostics (host, float64), as
+    [`importance_weights`][cnftrace.importance_weights] returns them. Non-finite
+    weights are counted and warned about, never dropped.
 
     **Arguments and fields:**
 
@@ -121,13 +106,6 @@ class ImportanceWeights(eqx.Module):
     - `log_target`: the target's unnormalised log-density of each sample.
     - `samples`: the samples, or `None`.
     - `warn` (an argument only): warn when some weights are not finite.
-
-    **Properties:** `log_weights`, `n`, `nonfinite`, `ess` (Kish's effective sample
-    size, `(sum w)^2 / sum w^2`), `ess_fraction` (`ess / n`), `log_z` and
-    `log_z_stderr` (the target's log-normaliser, `log mean(w)`, with its delta-method
-    standard error `sqrt(1/ess - 1/n)`), `elbo` (`mean(log w)`, a lower bound on
-    `log Z`: their difference is the reverse KL), `pareto_k` (see
-    [`pareto_khat`][cnftrace.pareto_khat]) and `reliable` (`pareto_k < 0.7`).
 
     !!! example
 
@@ -252,8 +230,7 @@ class ImportanceWeights(eqx.Module):
 
     @property
     def reliable(self) -> bool:
-        """Whether `pareto_k < 0.7`: above, the estimates are unreliable whatever
-        the number of samples."""
+        """Whether `pareto_k < 0.7`."""
         return bool(self.pareto_k < KHAT_LIMIT)
 
     def expectation(
@@ -313,8 +290,7 @@ class ImportanceWeights(eqx.Module):
 
 @eqx.filter_jit
 def _weights_chunk(model: AbstractFlow, log_target, key, n: int, dtype):
-    """`n` samples of `model` with their log-density and target log-density, the
-    solve's evaluations and its result: one program for every chunk of a size."""
+    """`n` samples of `model`, their `log q`, `log_target`, evaluations and result."""
     base_key, probe_key = jr.split(key)
     z = model.base.sample(base_key, n, dtype=dtype)
     x, log_det, stats, _ = model.transform(z, inverse=True, log_det=True, key=probe_key)
