@@ -1,9 +1,5 @@
-"""Targets known by their energy: Boltzmann densities `p(x) = exp(-E(x)) / Z` to train
-toward with [`ReverseKL`][cnftrace.ReverseKL] and to weigh samples against, each
-with a sampler for reference samples (exact for `mixture2d`; a seeded replica-exchange
-Metropolis run for the particle systems `dw4` and `lj13`, whose densities live on the
-positions with zero centre of mass).
-"""
+"""Boltzmann targets `p(x) = exp(-E(x)) / Z` known by their energy, each with a
+sampler of reference samples (exact, or seeded replica-exchange Metropolis)."""
 
 import abc
 import math
@@ -114,11 +110,8 @@ class _Mixture2D(EnergyTarget):
 
 
 def mixture_2d() -> EnergyTarget:
-    """A 2-D energy with four modes and an exactly known normaliser: `exp(-E)` is a
-    mixture of four Gaussians (correlated, of scales 0.3 to 0.6) at distance 2 to 2.5
-    from the origin, with masses 1.2, 0.9, 0.6 and 0.3, so `Z = 3` and
-    `log Z = log 3`. Its samples are exact. The target holds the modes' `means` and
-    the logs of their masses, `log_masses`.
+    """A 2-D energy whose `exp(-E)` is a mixture of four Gaussians with masses 1.2,
+    0.9, 0.6 and 0.3, so `log Z = log 3`; its samples are exact.
 
     !!! example
 
@@ -148,14 +141,9 @@ def mixture_2d() -> EnergyTarget:
 class ParticleEnergy(EnergyTarget):
     """The energy of `n_particles` identical particles in `spatial_dim` dimensions: a
     sum over pairs of a function of their distance, plus an optional harmonic trap
-    `trap / 2 * sum_i |x_i - mean(x)|^2`. Invariant to translations, rotations,
-    reflections and permutations of the particles, so its density lives on the
-    positions whose centre of mass is zero. [`dw4`][cnftrace.datasets.dw4] and
-    [`lj13`][cnftrace.datasets.lj13] are the two of the literature.
-
-    `sample(key, n, *, chains, burn_in, thin, temperatures)` draws reference
-    samples with [`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis]
-    (centre of mass fixed at zero) on `chains` chains from spread-out positions.
+    `trap / 2 * sum_i |x_i - mean(x)|^2`; its density lives on positions with zero
+    centre of mass. `sample(key, n, *, chains, burn_in, thin, temperatures)` runs
+    [`random_walk_metropolis`][cnftrace.datasets.random_walk_metropolis].
     """
 
     name: AbstractVar[str]
@@ -254,10 +242,8 @@ class _LennardJones(ParticleEnergy):
 
 def dw4() -> ParticleEnergy:
     """DW4: four particles in 2-D with the double-well pair potential
-    `0.9 (d - 4)^4 - 4 (d - 4)^2` (Köhler et al. 2020, as in bgflow and the
-    experiments of Garcia Satorras et al. 2021 and Klein et al. 2023), temperature 1.
-    Each pair prefers a distance near 2.5 or near 5.5, so the density has many
-    modes. Samples have shape `(4, 2)`.
+    `0.9 (d - 4)^4 - 4 (d - 4)^2` (Köhler et al. 2020), temperature 1. Samples have
+    shape `(4, 2)`.
 
     !!! example
 
@@ -342,8 +328,6 @@ def _metropolis_run(
         return jnp.where(expand(ok), y, x), jnp.where(ok, logp_y, logp), ok
 
     def swap(x, logp, key, parity):
-        # Pairs (k, k + 1) for k of this parity exchange their states with
-        # probability min(1, exp((beta_k - beta_k+1) (logp_k+1 - logp_k))).
         if levels == 1:
             return x, logp
         lp = logp.reshape(levels, chains)
@@ -408,17 +392,9 @@ def random_walk_metropolis(
     mean_free: bool = False,
     temperatures: tuple[float, ...] = (1.0,),
 ) -> Float[Array, "n ..."]:
-    """Samples of an unnormalised density by random-walk Metropolis on many chains at
-    once, with replica exchange across temperatures, seeded: the same key gives the
-    same samples.
-
-    Each chain proposes `x + sigma * e` with `e` standard normal and accepts with
-    probability `min(1, (p(y) / p(x))^(1/T))` (a proposal whose log-density is not
-    finite is rejected). With several `temperatures`, every chain runs a copy at
-    each, and neighbouring copies propose to exchange their states after every
-    step, so the hot copies pass what they found down to the target. During the
-    `burn_in` steps each copy's `sigma` adapts towards an `acceptance` rate
-    (Robbins-Monro on `log sigma`); then one sample of the temperature-1 copy is
+    """Samples of an unnormalised density by seeded random-walk Metropolis on many
+    chains at once, with replica exchange between neighbouring `temperatures` after
+    every step; step sizes adapt during `burn_in`, then the temperature-1 copy is
     kept every `thin` steps.
 
     **Arguments:**
