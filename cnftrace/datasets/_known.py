@@ -1,10 +1,5 @@
-"""Densities whose log-density is known exactly, in any dimension.
-
-They are built to score a model the way a new user's data would, but with the truth at
-hand: the gap `model NLL - true NLL` on the same held-out points is an unbiased measure
-of what the model has still to learn (its expectation is the KL divergence from the
-data to the model). Nothing is downloaded; every density is fixed by its `seed`.
-"""
+"""Densities whose log-density is known exactly, in any dimension, each fixed by its
+`seed` (docs/quality.md scores models on them)."""
 
 import abc
 import math
@@ -21,8 +16,7 @@ from jaxtyping import Array, Float
 from .._checks import check_int
 from .._custom_types import Key
 
-# Each marginal has mean 0 and variance 1, so a rotation of their product is
-# standardised too (mean 0, covariance I) while far from Gaussian.
+# Each marginal has mean 0 and variance 1.
 MARGINALS: tuple[str, ...] = ("bimodal", "gumbel", "laplace", "student5", "gamma2")
 _BIMODAL_MEAN, _BIMODAL_SD = 0.9, math.sqrt(1 - 0.9**2)
 _GUMBEL_SCALE = math.pi / math.sqrt(6)  # standard deviation of a standard Gumbel
@@ -31,9 +25,7 @@ _LAPLACE_B = 1 / math.sqrt(2)
 _T_NU = 5.0
 _T_SCALE = math.sqrt((_T_NU - 2) / _T_NU)  # a t_5 variable times this has variance 1
 _GAMMA_K = 2.0
-# The heavy-tailed density's marginals: Student-t's with 1.5 to 5 degrees of freedom
-# (unit scale: a variance need not exist), and a two-mode mixture whose second mode
-# is a t with 2 degrees of freedom.
+# Heavy tails at unit scale (a variance need not exist).
 HEAVY_MARGINALS: tuple[str, ...] = ("heavymix", "t1.5", "t2.5", "t3.5", "t5")
 _HEAVYMIX = ((0.6, -1.8, 0.5, None), (0.4, 1.8, 0.6, 2.0))  # (weight, loc, scale, df)
 
@@ -110,9 +102,7 @@ class KnownDensity(eqx.Module):
     """A density with an exact log-density and a sampler, in `dim` dimensions.
 
     Build one with [`rotated_product`][cnftrace.datasets.rotated_product] or
-    [`gaussian_mixture`][cnftrace.datasets.gaussian_mixture]. Both are standardised
-    to mean 0 and unit variance in every coordinate, as a user's standardised data
-    would be.
+    [`gaussian_mixture`][cnftrace.datasets.gaussian_mixture] (standardised).
 
     - `sample(key, n)`: `n` independent samples, shape `(n, dim)`.
     - `log_prob(x)`: the exact log-density of each row of `x`, shape `(n,)`.
@@ -189,10 +179,8 @@ class _GaussianMixture(KnownDensity):
 
 
 class _WarpedProduct(KnownDensity):
-    """`x = scale * (R @ warp(s))` for `s` a product of marginals, where `warp`
-    applies `s_j += b (s_i**2 - 1)` for each `(i, j, b)` in order (volume-preserving:
-    each is triangular with a unit diagonal) and `scale` is a fixed diagonal. With no
-    warps and a unit scale, a rotated product."""
+    """`x = scale * (R @ warp(s))` for `s` a product of marginals; `warp` applies the
+    volume-preserving `s_j += b (s_i**2 - 1)` for each `(i, j, b)` in order."""
 
     name: str = eqx.field(static=True)
     dim: int = eqx.field(static=True)
@@ -234,10 +222,8 @@ def _rotation(rng: np.random.Generator, dim: int) -> np.ndarray:
 def rotated_product(dim: int, *, seed: int = 0) -> KnownDensity:
     """A fixed random rotation of a product of `dim` independent 1-D densities.
 
-    The marginals cycle through a two-mode Gaussian mixture, a Gumbel, a Laplace, a
-    Student-t with 5 degrees of freedom and a Gamma(2), each scaled to mean 0 and
-    variance 1; the rotation (drawn from `seed`) mixes them, so no coordinate is
-    independent of the others. `log p(x) = sum_i log p_i((R^T x)_i)` exactly.
+    The marginals cycle through a two-mode mixture, a Gumbel, a Laplace, a Student-t
+    with 5 degrees of freedom and a Gamma(2), each of mean 0 and variance 1.
 
     **Arguments:**
 
@@ -308,16 +294,9 @@ def gaussian_mixture(dim: int, components: int = 6, *, seed: int = 0) -> KnownDe
 
 
 def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
-    """A product of `dim` independent 1-D densities, bent by volume-preserving
-    "banana" warps and rotated: the constructed density of benchmark B5, non-Gaussian
-    in its marginals, with several modes and non-linear dependence.
-
-    The marginals are those of [`rotated_product`][cnftrace.datasets.rotated_product].
-    Then `max(1, dim // 3)` warps `s_j += b (s_i**2 - 1)` (each with a unit Jacobian
-    determinant), from a light-tailed coordinate `i` that no warp changes to another
-    coordinate `j`, with `b` in [0.4, 0.8] drawn from `seed`; then a random rotation,
-    then a fixed per-coordinate scale that makes every variance about 1 (from
-    100,000 draws). `log p(x)` undoes each step exactly.
+    """The marginals of [`rotated_product`][cnftrace.datasets.rotated_product], bent
+    by `max(1, dim // 3)` volume-preserving warps `s_j += b (s_i**2 - 1)` (`b` in
+    [0.4, 0.8]), rotated and scaled to variances about 1: benchmark B5's density.
 
     **Arguments:**
 
@@ -337,9 +316,7 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
     dim = check_int("dim", dim, low=2)
     rng = np.random.default_rng([seed, dim, 3])
     marginals = tuple(MARGINALS[i % len(MARGINALS)] for i in range(dim))
-    # Sources are coordinates with light tails, never warped themselves, so that no
-    # warp squares a heavy tail or another warp's output (the variance stays finite
-    # and well measured); targets are the other coordinates.
+    # Sources are light-tailed and never warped, so no warp squares a heavy tail.
     light = [
         i for i, m in enumerate(marginals) if m in ("bimodal", "gumbel", "laplace")
     ]
@@ -363,13 +340,9 @@ def warped_product(dim: int, *, seed: int = 0) -> KnownDensity:
 
 
 def heavy_tailed(dim: int, *, seed: int = 0) -> KnownDensity:
-    """A fixed random rotation of a product of `dim` heavy-tailed 1-D densities: the
-    constructed density of B5's heavy-tailed rows.
-
-    The marginals cycle through a two-mode mixture (a Gaussian at -1.8 and, with
-    weight 0.4, a Student-t with 2 degrees of freedom at 1.8) and Student-t's with
-    1.5, 2.5, 3.5 and 5 degrees of freedom, at unit scale. The rotation (drawn from
-    `seed`) spreads the tails over every coordinate; `log p(x)` is exact.
+    """A fixed random rotation of a product of `dim` heavy-tailed 1-D densities (B5's
+    heavy-tailed rows): a two-mode Gaussian/t_2 mixture and Student-t's with 1.5,
+    2.5, 3.5 and 5 degrees of freedom, at unit scale.
 
     **Arguments:**
 
