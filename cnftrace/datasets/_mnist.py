@@ -1,17 +1,6 @@
-"""MNIST from the four standard IDX files, read in their real binary format.
-
-An IDX file is a big-endian header, then the data in C order:
-
-- 2 zero bytes, a type code (`0x08` = unsigned byte, the only one MNIST uses) and
-  the number of dimensions `ndim`: as one big-endian uint32 this is the magic
-  number, 2051 (`0x00000803`) for images `(n, rows, cols)` and 2049
-  (`0x00000801`) for labels `(n,)`;
-- `ndim` big-endian uint32 sizes;
-- `prod(sizes)` data bytes, nothing after them.
-
-Each file may be gzipped (`name.gz`); the uncompressed one wins if both exist.
-Nothing is downloaded.
-"""
+"""MNIST from the four standard IDX files. An IDX file is a big-endian uint32 magic
+number `0x0800 + ndim` (type `0x08`, unsigned byte), `ndim` big-endian uint32 sizes,
+then `prod(sizes)` bytes in C order. Nothing is downloaded."""
 
 import gzip
 import os
@@ -62,8 +51,7 @@ def _read_bytes(path: str) -> bytes:
 
 
 def read_idx(path: str | os.PathLike, magic: int | None = None) -> np.ndarray:
-    """Reads one unsigned-byte IDX file (optionally gzipped; the format is in the
-    module's notes) into a uint8 array.
+    """Reads one unsigned-byte IDX file (optionally gzipped) into a uint8 array.
 
     **Arguments:**
 
@@ -123,9 +111,7 @@ def read_idx(path: str | os.PathLike, magic: int | None = None) -> np.ndarray:
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
-    """Writes a uint8 array as an IDX file, the format of the MNIST files, with the
-    magic number `0x0800 + ndim` (2051 for `(n, rows, cols)` images, 2049 for `(n,)`
-    labels).
+    """Writes a uint8 array as an IDX file with the magic number `0x0800 + ndim`.
 
     **Arguments:**
 

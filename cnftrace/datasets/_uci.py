@@ -1,21 +1,5 @@
-"""The five tabular sets of MAF and FFJORD, read from the files of MAF's archive
-(Zenodo record 1161203) and preprocessed as the `datasets/` folder of
-github.com/gpapamak/maf does:
-
-- POWER: `RandomState(42)` shuffles the rows of the 8-column `data.npy`; columns 3
-  and 1 go; noise is drawn from the same generator in MAF's order, voltage `0.01 U`
-  first, then active power `0.001 U`, then `U` for the 3 sub-meterings.
-- GAS: drop `Meth`, `Eth`, `Time`; while some column has correlation > 0.98 with
-  another, drop the first such column; standardise all rows (ddof 1).
-- HEPMASS: label-1 rows; the test file's last column is dropped; standardise with
-  the statistics of train+val (ddof 1); drop each feature whose *smallest* value
-  occurs more than 5 times in train+val (what MAF's `Counter` code does).
-- MINIBOONE: already cleaned in `data.npy`; split, standardise with train+val.
-- BSDS300: the `train`/`validation`/`test` datasets of the HDF5 file, as they are.
-
-Departures from MAF: a zero standard deviation is replaced by 1 (MAF would give
-NaN), and arrays come back as `dtype`. GAS's pickle was written by pandas < 2 and may
-not unpickle with pandas >= 2 (MAF issue #13); the error then says so."""
+"""The five tabular sets of MAF and FFJORD, read from MAF's archive and preprocessed
+as github.com/gpapamak/maf does (each set's steps: docs/tabular.md)."""
 
 import os
 from collections.abc import Callable
@@ -196,8 +180,7 @@ _LOADERS: dict[str, Callable] = {
 
 def load_uci(name: str, root: str | os.PathLike, dtype=np.float64) -> Splits:
     """Loads one of the five tabular sets of MAF and FFJORD, preprocessed and split
-    as MAF does (see the module's notes: test is the last `int(0.1 n)` rows, val the
-    last `int(0.1 m)` of the other `m`). Nothing is downloaded.
+    as MAF does (docs/tabular.md). Nothing is downloaded.
 
     **Arguments:**
 
