@@ -46,12 +46,11 @@ class CNF(AbstractFlow):
         Its parameters are the flow's trainable parameters.
     - `dim`: the size `d` of one sample, or the shape of one sample (a tuple) for
         structured data such as images.
-    - `t0`, `t1`: the time span; `t1 > t0`. The default span [0, 0.5] learns as
-        well as [0, 1] at fewer evaluations (measured on the docs' quality page).
-    - `solver`: an adaptive diffrax solver; `diffrax.Tsit5()` by default. Under the
-        default adjoint, Tsit5, Dopri5, Dopri8 and Bosh3 run each step's stages as
-        one `lax.scan` (diffrax's arithmetic, a faster-tracing gradient); pass
-        `diffrax.Tsit5(scan_kind="checkpointed")` to keep diffrax's stage loop.
+    - `t0`, `t1`: the time span; `t1 > t0` (the default's measurements:
+        docs/quality.md).
+    - `solver`: an adaptive diffrax solver; `diffrax.Tsit5()` by default (its
+        stages run as one `lax.scan`; `diffrax.Tsit5(scan_kind="checkpointed")`
+        keeps diffrax's stage loop).
     - `rtol`, `atol`: tolerances of the step-size controller (per sample).
     - `adjoint`: how to differentiate the solve; `diffrax.RecursiveCheckpointAdjoint()`
         by default. `diffrax.BacksolveAdjoint()` (O(1) memory, FFJORD's choice) and
@@ -60,12 +59,9 @@ class CNF(AbstractFlow):
         [`Hutchinson`][cnftrace.Hutchinson], [`HutchPlusPlus`][cnftrace.HutchPlusPlus]
         or [`XTrace`][cnftrace.XTrace].
     - `max_steps`: the solver's step limit.
-    - `dt0`: the initial step, a positive number (the inverse solve takes it
-        backwards in time); `None` (default) chooses it per solve with Hairer's
-        heuristic from two plain evaluations of the field (counted in the NFE).
-    - `pcoeff`, `icoeff`: the PID controller's coefficients; the default PI
-        controller rejects fewer steps than the integral one `(0, 1)` once the field
-        has sharpened.
+    - `dt0`: the initial step, a positive number; `None` (default) chooses it per
+        solve with Hairer's heuristic (counted in the NFE).
+    - `pcoeff`, `icoeff`: the PID controller's coefficients.
     - `args`: passed to `vector_field` as its `args`.
     - `context_dim`: makes the flow conditional on a context vector of this size:
         each sample's field is called as `f(t, z, context)`, and `log_prob`,
@@ -338,16 +334,10 @@ class CNF(AbstractFlow):
         return self.solver, (jnp.asarray(False), f0), f0
 
     def _controller(self, t_start, t_end, x, f0, log_det, regularize, inverse, ctx):
-        """`(stepsize_controller, dt0)` of the solve: a PI controller over the
-        max-over-samples norm (RNODE's integrals left out of error control, so a
-        regularised solve takes the steps of a plain one), started from the user's
-        `dt0` or from Hairer's heuristic.
-
-        The controller is given the first step (`FirstStepController`), and
-        `diffeqsolve` no `dt0`: it would check its sign against the span at run time
-        (a host callback) wherever the span is not a Python number.
-        BacksolveAdjoint starts its backward solve from `-dt0`, so it gets a `dt0`:
-        a Python number of the step's sign."""
+        """`(stepsize_controller, dt0)`: a PI controller over the max-over-samples
+        norm (RNODE's integrals outside error control) holding the first step;
+        `diffeqsolve` gets no `dt0` (it would check its sign by a host callback),
+        except under BacksolveAdjoint, which needs a Python number of the step's sign."""
         controller = diffrax.PIDController(
             rtol=self.rtol,
             atol=self.atol,

@@ -38,8 +38,7 @@ from ._schedules import AbstractSchedule
 ModelKind = Literal["velocity", "score", "noise", "data"]
 MODEL_KINDS = ("velocity", "score", "noise", "data")
 
-# The truncation of a diffusion model's interval at the data end: score_sde's
-# likelihood default.
+# score_sde's truncation at the data end.
 DEFAULT_DIFFUSION_EPS = 1e-5
 
 
@@ -105,11 +104,8 @@ class ProbabilityFlow(AbstractFlow):
     `lambda t, x: net(t[None], x[None])[0]`; a model fed another time (DDPM's step
     index, a VE model's noise level) as `lambda t, x: net(1000 * t, x)`.
 
-    The flow's one block is a [`CNF`][cnftrace.CNF] whose vector field is the
-    probability-flow drift and whose base is the `prior`: `log_prob(x)` is
-    `log p_eps(x)`, the density of the training process's marginal at the truncated
-    data end, and every method of [`AbstractFlow`][cnftrace.AbstractFlow], `jit`,
-    `vmap` and gradients work as for any flow.
+    Its one block is a [`CNF`][cnftrace.CNF] over the `prior`; `log_prob(x)` is
+    `log p_eps(x)`, the marginal's density at the truncated data end.
 
     **Arguments:**
 
@@ -131,16 +127,13 @@ class ProbabilityFlow(AbstractFlow):
         and noise models `alpha` too (checked on a grid of 1025 times).
     - `data_time`, `noise_time`: a velocity model's times of the data and of the
         noise.
-    - `eps`: the truncation at the data end: the ODE starts at `data_time + eps`.
-        By default `1e-5` for score, noise and data models (score_sde's; the score
-        diverges where `sigma` vanishes), `0` for velocity models. It must lie in
-        `(0, T)` for diffusion models and `[0, T)` for velocity models, `T` the
-        interval's length.
+    - `eps`: the truncation at the data end, where the ODE starts: `1e-5` by default
+        for score, noise and data models (score_sde's), `0` for velocity models.
+        In `(0, T)` for diffusion models, `[0, T)` for velocity models.
     - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; the
         standard normal, or [`Normal`][cnftrace.Normal]`(dim,
         scale=schedule.prior_scale())` for a schedule whose prior scale is not 1
-        (VE's `N(0, sigma_max^2 I)`). Its effect on `log_prob` is on the page
-        "Likelihoods of diffusion and flow-matching models".
+        (VE's `N(0, sigma_max^2 I)`; see docs/likelihoods.md).
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`, `dt0`,
         `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF].
 

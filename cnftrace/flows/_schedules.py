@@ -25,16 +25,9 @@ class AbstractSchedule(eqx.Module):
 
     Subclass it for a schedule of your own: give `t_end` and the two methods
     [`alpha`][cnftrace.AbstractSchedule.alpha] and
-    [`sigma`][cnftrace.AbstractSchedule.sigma] of a scalar time (written with `jnp`,
-    so that they work on traced times); the derivatives, the SDE's drift and
-    diffusion and the prior's scale are derived from them.
-    [`ProbabilityFlow`][cnftrace.ProbabilityFlow] checks on a grid that `sigma`
-    (and, for score and noise models, `alpha`) stays positive on the interval it
-    integrates.
-
-    The schedule's SDE is $dx = f(t)\,x\,dt + g(t)\,dW$ with $f = \alpha'/\alpha$ and
-    $g^2 = (\sigma^2)' - 2 f \sigma^2$; its probability-flow ODE is
-    $dx/dt = f(t)\,x - \tfrac12 g(t)^2\,\nabla_x \log p_t(x)$.
+    [`sigma`][cnftrace.AbstractSchedule.sigma] of a scalar time (in `jnp`); the
+    derivatives, the SDE's drift and diffusion (docs/likelihoods.md) and the prior's
+    scale are derived from them.
 
     !!! example
 
@@ -249,9 +242,8 @@ class CosineSchedule(AbstractSchedule):
     `alpha(t)^2 = cos^2(theta(t)) / cos^2(theta(0))` with
     `theta(t) = (t + s) / (1 + s) pi / 2`, and `sigma(t)^2 = 1 - alpha(t)^2`.
 
-    `alpha` reaches 0 at `t = 1`, where the probability-flow drift of a score or
-    noise model divides by zero, so the default end time is DPM-Solver's `0.9946`
-    (Lu et al. 2022), where `alpha` is about 0.0084 (near the VP schedule's 0.0066).
+    `alpha` reaches 0 at `t = 1`, where a score or noise model's drift divides by
+    zero, so the default end time is DPM-Solver's `0.9946` (Lu et al. 2022).
 
     **Arguments:**
 
