@@ -337,7 +337,7 @@ class CNF(AbstractFlow):
         """`(stepsize_controller, dt0)`: a PI controller over the max-over-samples
         norm (RNODE's integrals outside error control) holding the first step;
         `diffeqsolve` gets no `dt0` (it would check its sign by a host callback),
-        except under BacksolveAdjoint, which needs a Python number of the step's sign."""
+        except under BacksolveAdjoint, which needs a Python number of its sign."""
         controller = diffrax.PIDController(
             rtol=self.rtol,
             atol=self.atol,
