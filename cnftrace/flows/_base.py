@@ -40,24 +40,13 @@ from ._programs import (
 class AbstractFlow(eqx.Module):
     """A normalizing flow over a base distribution, built from CNF blocks.
 
-    The methods below are those of every flow ([`CNF`][cnftrace.CNF],
-    [`Chain`][cnftrace.Chain], [`MultiscaleFlow`][cnftrace.MultiscaleFlow]). They take
-    one sample of shape `event_shape` or a batch `(n, *event_shape)` (a batch is one
-    ODE solve per block), check it, and say what to pass when it is wrong. Data lives
-    at each block's `t0`, the base at `t1`: `forward` maps data to the base, `inverse`
-    and `sample` the other way.
-
-    Every flow holds `blocks`, its [`CNF`][cnftrace.CNF] blocks in the order data
-    passes them (chains flattened; the order of its
-    [`SolveStats`][cnftrace.SolveStats] entries), and `base`, the
-    [`AbstractBase`][cnftrace.AbstractBase] its data is mapped to. Subclasses provide
-    those two, [`transform`][cnftrace.AbstractFlow.transform], `event_shape`,
-    `with_estimator` and `with_base`; everything else is defined here.
-
-    Under a `jit` of yours, compile a method as `jax.jit(lambda x: flow.log_prob(x))`
-    or `eqx.filter_jit(flow.log_prob)` (JAX refuses `jax.jit(flow.log_prob)`: a bound
-    method of an equinox Module holds arrays). Input is solved in the wider of its
-    dtype and the flow's.
+    The methods take one sample of shape `event_shape` or a batch
+    `(n, *event_shape)` (one ODE solve per block) and check it. `forward` maps data
+    to the base, `inverse` and `sample` the other way. Every flow holds `blocks`,
+    its [`CNF`][cnftrace.CNF] blocks in the order data passes them, and `base`, an
+    [`AbstractBase`][cnftrace.AbstractBase]. Subclasses provide those two,
+    [`transform`][cnftrace.AbstractFlow.transform], `event_shape`, `with_estimator`
+    and `with_base`. Compile a method as `eqx.filter_jit(flow.log_prob)`.
 
     !!! example
 
@@ -72,8 +61,7 @@ class AbstractFlow(eqx.Module):
         ```
     """
 
-    # Each a `CNF` (with its `estimator`, `rtol` and `atol`): `_cnf` builds on this
-    # module, so the type says only that a block is a flow.
+    # Each a `CNF`; `_cnf` imports this module, so the type says only "flow".
     blocks: eqx.AbstractVar[tuple["AbstractFlow", ...]]
     base: eqx.AbstractVar[AbstractBase]
 
@@ -110,12 +98,7 @@ class AbstractFlow(eqx.Module):
         `event_shape`)."""
 
     def with_tolerance(self, rtol: float, atol: float) -> "AbstractFlow":
-        """A copy of the flow whose blocks all solve with these tolerances (the
-        step-size controller's `rtol` and `atol`).
-
-        [`MaximumLikelihood`][cnftrace.MaximumLikelihood] trains through a looser
-        copy than the flow it returns, which keeps its own tolerances for
-        evaluation and sampling.
+        """A copy of the flow whose blocks all solve with these `rtol` and `atol`.
 
         !!! example
 
@@ -153,8 +136,8 @@ class AbstractFlow(eqx.Module):
         `inverse`).
 
         Returns `(y, log_det, stats, regularization)`, where `log_det` is
-        `log|det dy/dx|` of the map that was applied (or `None` when `log_det=False`:
-        then no divergence is computed at all, which is much cheaper), and
+        `log|det dy/dx|` of the map (`None`, and not computed, when
+        `log_det=False`), and
         `regularization` the [`Regularization`][cnftrace.Regularization] integrals
         when `regularize=True` (which needs `log_det=True`), else `None`.
 
@@ -277,10 +260,8 @@ class AbstractFlow(eqx.Module):
     ):
         """Draws `n` samples: draws of the base mapped through the inverse flow.
 
-        No divergence is computed, so this costs a plain ODE solve per block.
-        Draws of a heavy-tailed base beyond the solver's range (`1 / eps` of the
-        float: 8.4e6 in float32) are drawn again, with a warning saying how many; a
-        NaN or inf never reaches the samples.
+        Base draws beyond the solver's range (`1 / eps` of the float) are drawn
+        again, with a warning.
 
         **Arguments:**
 
@@ -419,10 +400,8 @@ class AbstractFlow(eqx.Module):
     # ------------------------------------------------------------------ helpers
 
     def _base_dtype(self, n, dtype):
-        """`(n, dtype)`: the number of samples as a Python `int` (a NumPy integer
-        would reach the compiled program as an array, and a shape cannot be one)
-        and the base samples' dtype, after checking both and that one solve over
-        `n` samples can run."""
+        """`(n, dtype)` checked: `n` a Python `int` (a shape cannot be an array) and
+        one solve over `n` samples able to run."""
         n = check_int("n", n)
         dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
