@@ -1,7 +1,5 @@
-"""FFJORD's eight 2-D toy distributions (`lib/toy_data.py` of Grathwohl, Chen et al.,
-ICLR 2019, with the scikit-learn generators it calls), sampled with `jax.random`.
-Unlike FFJORD's, every sample is an i.i.d. draw and exactly `n` are returned.
-"""
+"""FFJORD's eight 2-D toy distributions (Grathwohl, Chen et al., ICLR 2019),
+sampled i.i.d. with `jax.random`, exactly `n` at a time."""
 
 import functools
 import math
@@ -143,23 +141,18 @@ def _check_name(name) -> str:
 
 
 def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
-    """Draws `n` i.i.d. samples from the 2-D toy distribution `name` (jitted, with
-    `name`, `n` and `dtype` static, so it may also be called inside `jax.jit`).
+    """Draws `n` i.i.d. samples from the 2-D toy distribution `name` (jitted; may
+    be called inside `jax.jit`).
 
     **Arguments:**
 
-    - `name`: one of `TOY_DATASETS`: `"swissroll"`, `"8gaussians"`, `"pinwheel"`,
-        `"circles"`, `"moons"`, `"2spirals"`, `"checkerboard"` or `"rings"`.
-    - `key`: a JAX PRNG key (new-style `jax.random.key` or raw `PRNGKey`).
-    - `n`: the number of samples, a positive Python or NumPy integer.
+    - `name`: one of `TOY_DATASETS`.
+    - `key`: a JAX PRNG key.
+    - `n`: the number of samples, a positive integer.
     - `dtype`: a floating dtype; JAX's default float if omitted.
 
-    **Returns:**
-
-    An array of shape `(n, 2)` and dtype `dtype`.
-
-    Raises `ValueError` for an unknown `name`, an `n` that is not a positive
-    integer, or a `dtype` that is not floating.
+    Returns an array of shape `(n, 2)`. Raises `ValueError` for an unknown `name`,
+    a bad `n`, or a `dtype` that is not floating.
 
     !!! example
 
@@ -196,23 +189,11 @@ _EXACT = frozenset({"8gaussians", "checkerboard"})
 
 
 def toy_entropy(name: str) -> float:
-    """Returns the differential entropy, in nats, of the toy distribution `name`.
-
-    It is exact (to about 1e-6) for `"checkerboard"` and `"8gaussians"`; for the
-    other six it is a Monte Carlo estimate with standard error below 1e-3 (see
-    [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact], and the
-    "Quality" page for how each was computed).
-
-    **Arguments:**
-
-    - `name`: one of `TOY_DATASETS`.
-
-    **Returns:**
-
-    The entropy, a Python float. It is the lower bound of the expected NLL (in nats
-    per sample) of any model of the distribution.
-
-    Raises `ValueError` for an unknown `name`.
+    """The differential entropy in nats (a float) of the toy distribution `name`
+    (one of `TOY_DATASETS`): the lower bound of any model's expected NLL. Exact or
+    a Monte Carlo estimate (see
+    [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact] and the
+    "Quality" page). Raises `ValueError` for an unknown `name`.
 
     !!! example
 
@@ -229,9 +210,8 @@ def toy_entropy(name: str) -> float:
 
 
 def toy_entropy_is_exact(name: str) -> bool:
-    """Whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact
-    (`"8gaussians"` and `"checkerboard"`) rather than a Monte Carlo estimate. Raises
-    `ValueError` for a `name` not in `TOY_DATASETS`.
+    """Whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact rather
+    than a Monte Carlo estimate. Raises `ValueError` for an unknown `name`.
 
     !!! example
 
