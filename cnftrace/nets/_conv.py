@@ -68,12 +68,10 @@ class ConvField(eqx.Module):
     **Arguments:**
 
     - `channels`: the channels of the image (input and output).
-    - `hidden`: the hidden channels, one conv layer each; FFJORD used `(64, 64, 64)`.
-    - `activation`: applied between layers; softplus by default (FFJORD's choice
-        for images). Anything smooth: the divergence differentiates it.
-    - `zero_last`: initialise the last layer to output zero, so that the flow
-        starts at the identity map. Off by default, as in FFJORD.
-    - `key`: PRNG key for the initialisation (PyTorch's default for convs).
+    - `hidden`: the hidden channels, one conv layer each.
+    - `activation`: a smooth activation between layers; softplus by default.
+    - `zero_last`: start at zero output (the identity flow).
+    - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 
     !!! example
