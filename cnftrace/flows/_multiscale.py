@@ -23,19 +23,10 @@ from ._distributions import AbstractBase, check_base
 
 
 def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"]:
-    """Space to depth by 2: each 2x2 patch of a channel becomes 4 channels.
-
-    Channel `4c + 2i + j` of the output holds pixel `(2y + i, 2x + j)` of input
-    channel `c` at position `(y, x)`. A permutation of the entries, so its
-    log-determinant is 0; [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
-
-    **Arguments:**
-
-    - `x`: an image `(c, h, w)` or a batch of them, with `h` and `w` even.
-
-    **Returns:**
-
-    The squeezed image(s), shape `(*batch, 4c, h/2, w/2)`.
+    """Space to depth by 2 of an image `x` `(c, h, w)` (or a batch), `h` and `w`
+    even: channel `4c + 2i + j` of the output, shape `(*batch, 4c, h/2, w/2)`,
+    holds pixel `(2y + i, 2x + j)` of channel `c`. A permutation (log-determinant
+    0); [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
 
     !!! example
 
@@ -58,15 +49,8 @@ def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"
 
 
 def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"]:
-    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze].
-
-    **Arguments:**
-
-    - `x`: an image `(c4, h, w)` or a batch of them, with `c4` a multiple of 4.
-
-    **Returns:**
-
-    The unsqueezed image(s), shape `(*batch, c4/4, 2h, 2w)`.
+    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze]: an image
+    `(c4, h, w)` (or a batch), `c4` a multiple of 4, to `(*batch, c4/4, 2h, 2w)`.
 
     !!! example
 

@@ -370,11 +370,9 @@ class ProbabilityFlow(AbstractFlow):
         - `x`: a batch of shape `(n, *event_shape)`.
         - `key`: a PRNG key, required for a stochastic estimator.
         - `repeats`: independent estimates per sample; at least 2 for a standard
-            error of a stochastic estimator. The exact trace needs 1.
+            error of a stochastic estimator.
 
-        **Returns:**
-
-        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
+        Returns a [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
         """
         x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize=False)
         logp, stats = self._solve_tiled(_tile(x, repeats), key)

@@ -153,8 +153,8 @@ class CNFTerm(ODETerm):
         counter: Float[Array, ""] | None = None,
         context: Float[Array, "*batch context"] | None = None,
     ) -> CNFArgs:
-        """Draws this solve's probes for the initial state `z0` and bundles them
-        with the vector field's own `args`. Pass the result as `diffeqsolve`'s `args`.
+        """The [`CNFArgs`][cnftrace.CNFArgs] to pass as `diffeqsolve`'s `args`: this
+        solve's probes for `z0`, with the vector field's own `args`.
 
         **Arguments:**
 
@@ -165,10 +165,6 @@ class CNFTerm(ODETerm):
             pass's vector-field evaluations.
         - `context`: optional per-sample conditioning, leading axes `z0`'s batch
             axes, passed as `f(t, z_i, context_i)` (`args` must be `None`).
-
-        **Returns:**
-
-        A [`CNFArgs`][cnftrace.CNFArgs].
         """
         probes = self.estimator.draw(
             key, z0.shape, z0.dtype, event_ndim=self.event_ndim
@@ -185,12 +181,8 @@ class CNFTerm(ODETerm):
         return CNFArgs(args=args, probes=probes, counter=counter, context=context)
 
     def initial_state(self, z0: Float[Array, "..."]) -> tuple[Float[Array, "..."], ...]:
-        """The augmented initial state for `z0` of shape `(*batch, *event)`.
-
-        **Returns:**
-
-        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`; the zeros
-        have shape `batch`.
+        """The augmented initial state for `z0` of shape `(*batch, *event)`:
+        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`.
         """
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
         zeros = jnp.zeros(batch_shape, z0.dtype)
