@@ -27,8 +27,7 @@ FORMATS_SHOWN = (
 )
 _DELIMITERS = {".csv": ",", ".tsv": "\t"}
 SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
-# The first bytes of the formats a data file may turn out to be, and the extension
-# that says so.
+# The first bytes of the formats a data file may be, and their extension.
 _MAGIC = (
     (b"\x1f\x8b", "gzip-compressed", ".gz"),
     (b"BZh", "bzip2-compressed", ".bz2"),
@@ -45,8 +44,8 @@ class Table(NamedTuple):
     """The samples of one or more files, as
     [`read_table`][cnftrace.datasets.read_table] returns them.
 
-    - `data`: a float64 array of shape `(n, dim)`, the files' rows one after another.
-    - `names`: the column names (from a header line or a Parquet file), or `None`.
+    - `data`: a float64 array `(n, dim)`, the files' rows one after another.
+    - `names`: the column names, or `None`.
     - `paths`: the files read, in order.
     - `sha256`: the SHA-256 of each file's bytes.
     - `rows`: the number of rows each file gave.

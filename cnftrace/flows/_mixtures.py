@@ -366,9 +366,8 @@ class StudentTMixture(_AbstractMixture):
     def from_gaussian(
         mixture: GaussianMixture, df=_MIXTURE_DF, *, trainable: bool | None = None
     ) -> "StudentTMixture":
-        """The Student-t mixture with `mixture`'s weights, means and covariances as
-        its scale matrices, and `df` degrees of freedom (a start for fitting tails to
-        a Gaussian mixture's fit)."""
+        """The Student-t mixture with `mixture`'s parameters (covariances as scale
+        matrices) and `df` degrees of freedom."""
         if not isinstance(mixture, GaussianMixture):
             raise TypeError(
                 f"`mixture` must be a cnftrace.GaussianMixture; got "

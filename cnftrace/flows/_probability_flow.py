@@ -43,10 +43,8 @@ DEFAULT_DIFFUSION_EPS = 1e-5
 
 
 class _Drift(eqx.Module):
-    """The probability-flow ODE as a [`CNF`][cnftrace.CNF]'s vector field
-    `f(tau, x, args)`, on the CNF's time `tau`: the model's time is
-    `t = data_time + direction * tau`, so the CNF always runs from the data end
-    (`tau = eps`) to the noise end."""
+    """The probability-flow ODE as a CNF vector field on `tau`, with model time
+    `t = data_time + direction * tau`: it runs from the data end to the noise end."""
 
     model: object
     kind: str = eqx.field(static=True)

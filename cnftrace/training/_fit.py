@@ -271,9 +271,8 @@ class _Loop:
         return jr.fold_in(self.key, 2**31 - 1)
 
     def _resume(self, state: TrainState, history_path: str):
-        """`(state, best parameters)` from the newest good checkpoint of the same
-        config, or `(state, None)` when there is none. The history file is cut back
-        to the checkpoint's step (emptied without one) and read into the history."""
+        """`(state, best parameters or None)` from the newest good checkpoint, with
+        the history file cut back to its step and read in."""
         params = _params(state.flow)
         like = (params, state.opt_state, key_to_data(self.key), params)
         like = jax.tree_util.tree_map(_local_copy, like)
@@ -349,9 +348,7 @@ class _Loop:
             failures=max_failures,
             report=True,
         ):
-            """Step `done`: its record and counters fetched in one transfer, the
-            counters checked for failures, then the step logged, validated and
-            reported."""
+            """Step `done` fetched in one transfer, checked, logged and validated."""
             info, counters = jax.device_get((info, counters))
             raise_for_failures(counters, self.state.flow, failures)
             if not (log or validate):
@@ -473,9 +470,8 @@ class _Loop:
         return dict(record, val_nll=mean, val_stderr=stderr)
 
     def _improves(self, rows: np.ndarray) -> bool:
-        """Whether validation log-densities `rows` beat the best validation's by
-        more than `significance` standard errors of the paired difference (see
-        [`Validation`][cnftrace.Validation])."""
+        """Whether `rows` beat the best validation's by `significance` paired
+        standard errors ([`Validation`][cnftrace.Validation])."""
         if self.best_step is None:
             return True
         if self.best_rows is None:  # resumed: the best parameters evaluated again
