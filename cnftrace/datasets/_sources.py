@@ -54,8 +54,7 @@ class DataSource(abc.ABC):
         none), so `NLL_x = NLL_y - mean(test_log_det)`.
     - `reference`: training samples in the units of `test` for the Gaussian
         baseline, or `None`.
-    - `fixed_test` (class attribute): whether `test` is a fixed split, not drawn
-        by the seed.
+    - `fixed_test` (class attribute): whether `test` is a fixed split.
     """
 
     name: str

@@ -29,11 +29,8 @@ def _unit(angle):
 
 
 def _draws(key, n, dtype, n_uniform, n_normal):
-    """`n_uniform` U[0, 1) and `n_normal` N(0, 1) columns from one `jr.uniform` call.
-
-    Each `jax.random` call adds to XLA's compile time, so every generator draws all
-    its randomness at once; normals use the inverse-erf map of `jr.normal`.
-    """
+    """`n_uniform` U[0, 1) and `n_normal` N(0, 1) columns from one `jr.uniform` call
+    (each `jax.random` call adds compile time)."""
     u = jr.uniform(key, (n, n_uniform + n_normal), dtype)
     lo = jnp.nextafter(jnp.asarray(-1, dtype), jnp.asarray(0, dtype))
     z = math.sqrt(2) * jax.lax.erf_inv(jnp.maximum(2 * u[:, n_uniform:] - 1, lo))

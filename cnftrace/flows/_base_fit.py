@@ -221,9 +221,8 @@ def _t_log_density(x, means, chols, df):
 
 
 def _t_mixture_em(x, weights, means, covs, df, diagonal: bool = False):
-    """Maximum-likelihood Student-t mixture by EM (Peel and McLachlan 2000, with
-    the ECM update of each component's degrees of freedom), from the given
-    parameters: `(weights, means, scale matrices, df)`."""
+    """`(weights, means, scale matrices, df)` of a Student-t mixture fitted by EM
+    (with ECM for `df`) from the given parameters."""
     n, d = x.shape
     weights, means, covs = weights.copy(), means.copy(), covs.copy()
     df = np.asarray(df, np.float64).copy()

@@ -181,9 +181,8 @@ class CNFTerm(ODETerm):
         return CNFArgs(args=args, probes=probes, counter=counter, context=context)
 
     def initial_state(self, z0: Float[Array, "..."]) -> tuple[Float[Array, "..."], ...]:
-        """The augmented initial state for `z0` of shape `(*batch, *event)`:
-        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`.
-        """
+        """The augmented initial state for `z0`: `(z0, zeros)`, or
+        `(z0, zeros, zeros, zeros)` with `regularize`."""
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
         zeros = jnp.zeros(batch_shape, z0.dtype)
         return (z0, zeros, zeros, zeros) if self.regularize else (z0, zeros)
@@ -232,12 +231,8 @@ def _check_context(context, batch_shape: tuple[int, ...]) -> None:
 
 
 class StateTerm(ODETerm):
-    """The plain dynamics `dz/dt = f(t, z, args)` for a batch of samples, used where no
-    log-density is needed (sampling and the bare forward and inverse maps).
-
-    With `per_sample_args=True`, `args` has one entry per sample (a conditional flow's
-    context) and sample `i` gets `args[i]`.
-    """
+    """The plain dynamics `dz/dt = f(t, z, args)` for a batch, where no log-density
+    is needed; with `per_sample_args=True`, sample `i` gets `args[i]`."""
 
     vector_field: VectorField
     event_ndim: int = eqx.field(default=1, static=True)

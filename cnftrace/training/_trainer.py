@@ -271,9 +271,7 @@ class Trainer(eqx.Module):
         return jax.tree_util.tree_map(_committed, state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
-        """One training step, jitted: draws a batch and the loss's randomness from
-        `fold_in(key, state.step)`, takes the objective's value and gradient and
-        updates the parameters.
+        """One jitted training step, its randomness from `fold_in(key, state.step)`.
 
         **Returns:**
 
@@ -285,9 +283,8 @@ class Trainer(eqx.Module):
         return jitted_step(self, state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
-        """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
-        solve failed, or if the last `max_failures` steps were all skipped for a
-        non-finite loss or gradient. A sync with the device."""
+        """Raises a [`TrainingError`][cnftrace.TrainingError] if an ODE solve failed
+        or the last `max_failures` steps were all skipped (a device sync)."""
         raise_for_failures(
             jax.device_get(StepCounters.of(state)), state.flow, max_failures
         )
