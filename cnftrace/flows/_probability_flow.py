@@ -415,10 +415,7 @@ class ProbabilityFlow(AbstractFlow):
             least 2 for a standard error.
         - `dequantize`: `False` when `x` are already dequantised.
 
-        **Returns:**
-
-        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits per
-        dimension: `values` per sample, `mean` the data set's figure.
+        Returns a [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits/dim.
 
         !!! example
 

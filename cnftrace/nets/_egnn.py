@@ -97,16 +97,13 @@ class _EGNNLayer(eqx.Module):
 
 
 class EGNNField(eqx.Module):
-    """An E(n)- and permutation-equivariant vector field for `n_particles` identical
-    particles in `spatial_dim` dimensions (an EGNN, Satorras et al. 2021), with the
-    time as every particle's input feature. Callable as a diffrax vector field
-    `f(t, y, args)` on one sample `y` of shape `(n_particles, spatial_dim)`.
+    """An E(n)- and permutation-equivariant vector field (an EGNN) for `n_particles`
+    identical particles in `spatial_dim` dimensions, called as `f(t, y, args)` on
+    one sample `y` of shape `(n_particles, spatial_dim)`.
 
-    For every rotation or reflection `R`, translation `a` and permutation `P` of the
-    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`, and its
-    output has zero mean over the particles: over a
-    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is invariant
-    to all of them.
+    `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)` for rotations,
+    reflections, translations and permutations, with zero mean over the particles:
+    over a [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the density is invariant.
 
     **Arguments:**
 

@@ -41,8 +41,7 @@ class ConcatSquashLinear(eqx.Module):
 
     - `in_size`, `out_size`: the sizes of `x` and of the output.
     - `context_dim`: the size of the context vector; 0 (default) for none.
-    - `key`: PRNG key for the initialisation.
-    - `dtype`: parameter dtype (JAX's default float if omitted).
+    - `key`, `dtype`: PRNG key for the initialisation, parameter dtype.
 
     !!! example
 
