@@ -403,8 +403,8 @@ def read_table(
     - `header`: whether a text file's first line names its columns; `None`: when
         one of its fields is not a number.
 
-    Returns a [`Table`][cnftrace.datasets.Table]. A `ValueError` names the file, the row or column, and the fix, for anything that
-    cannot be read as a table of finite numbers.
+    Returns a [`Table`][cnftrace.datasets.Table]. A `ValueError` names the file,
+    the row or column, and the fix, for anything not a table of finite numbers.
 
     !!! example
 

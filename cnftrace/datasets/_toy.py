@@ -51,7 +51,6 @@ def _swissroll(key, n, dtype):
 
 
 def _8gaussians(key, n, dtype):
-    # Centres at radius 4 in the 8 compass directions, N(0, 0.5^2 I) noise, / 1.414.
     (u,), eps = _draws(key, n, dtype, 1, 2)
     centres = 4 * _unit(_choice(u, 8) * (jnp.pi / 4))
     return (centres + 0.5 * eps) / 1.414
@@ -87,8 +86,7 @@ def _moons(key, n, dtype):
 
 
 def _2spirals(key, n, dtype):
-    # t = sqrt(U) * 540 degrees; arm point (-t cos t, t sin t) + U(0, 0.5)^2 jitter,
-    # mirrored through the origin for half the points; / 3; + N(0, 0.1^2 I).
+    # An arm mirrored through the origin for half the points.
     (u_t, u_x, u_y, u_sign), eps = _draws(key, n, dtype, 4, 2)
     t = jnp.sqrt(u_t) * (3 * jnp.pi)
     arm = jnp.stack([-jnp.cos(t) * t + 0.5 * u_x, jnp.sin(t) * t + 0.5 * u_y], axis=-1)
@@ -97,7 +95,6 @@ def _2spirals(key, n, dtype):
 
 
 def _checkerboard(key, n, dtype):
-    # x1 ~ U(-2, 2); x2 = U(0, 1) - 2 * randint(0, 2) + (floor(x1) mod 2); both * 2.
     # Uniform on the 8 "black" 2x2 squares of a 4x4 board on [-4, 4]^2 (area 32).
     (u1, u2, u_row), _ = _draws(key, n, dtype, 3, 0)
     x1 = 4 * u1 - 2
@@ -106,7 +103,6 @@ def _checkerboard(key, n, dtype):
 
 
 def _rings(key, n, dtype):
-    # Radii 3, 2.25, 1.5, 0.75 with equal probability, uniform angle, N(0, 0.08^2 I).
     (u_ring, u_angle), eps = _draws(key, n, dtype, 2, 2)
     radius = 0.75 * (1 + _choice(u_ring, 4))
     return radius[:, None] * _unit(2 * jnp.pi * u_angle) + 0.08 * eps
