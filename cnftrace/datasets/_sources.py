@@ -50,10 +50,8 @@ class DataSource(abc.ABC):
     - `test`: `test(seed, n)`, the test set in the units of the flow `cnftrace.load`
         returns for this data (a standardised file's own units, else model space):
         `n` samples, or the first `n` rows of a fixed split (all for `None` or 0).
-    - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing (0 if
-        none), so `NLL_x = NLL_y - mean(test_log_det)`.
-    - `reference`: training samples in the units of `test` for the Gaussian
-        baseline, or `None`.
+    - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing.
+    - `reference`: training samples in `test`'s units for the Gaussian baseline.
     - `fixed_test` (class attribute): whether `test` is a fixed split.
     """
 

@@ -109,15 +109,11 @@ class ProbabilityFlow(AbstractFlow):
         [`AbstractSchedule`][cnftrace.AbstractSchedule] (data at `t = 0`); the ODE
         runs over `[eps, schedule.t_end]`, where `sigma` (and for score and noise
         models `alpha`) must stay positive.
-    - `data_time`, `noise_time`: a velocity model's times of the data and of the
-        noise.
+    - `data_time`, `noise_time`: a velocity model's data and noise times (0, 1).
     - `eps`: the truncation at the data end, where the ODE starts: `1e-5` by default
-        for score, noise and data models (score_sde's), `0` for velocity models.
-        In `(0, T)` for diffusion models, `[0, T)` for velocity models.
-    - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; the
-        standard normal, or [`Normal`][cnftrace.Normal]`(dim,
-        scale=schedule.prior_scale())` for a schedule whose prior scale is not 1
-        (VE's `N(0, sigma_max^2 I)`; see docs/likelihoods.md).
+        for diffusion models, in `(0, T)`; `0` for velocity models, in `[0, T)`.
+    - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; by
+        default normal with the schedule's `prior_scale()`.
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`, `dt0`,
         `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF].
 

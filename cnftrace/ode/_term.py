@@ -94,20 +94,15 @@ class CNFTerm(ODETerm):
     $$\frac{dz}{dt} = f(t, z, \text{args}),\qquad
     \frac{d\,\delta\log p}{dt} = -\operatorname{tr}\frac{\partial f}{\partial z},$$
 
-    applied to every sample of the batch, with the trace from `estimator`. So
-    `delta_logp(t1) = log p_t1(z(t1)) - log p_t0(z(t0))`.
-
-    With `regularize=True` the state gains RNODE's two integrals (Finlay et al. 2020),
-    `(z, delta_logp, kinetic, jacobian)`, each of shape `(*batch,)`:
+    per sample, with the trace from `estimator`. With `regularize=True` the state
+    gains RNODE's two integrals, `(z, delta_logp, kinetic, jacobian)`:
 
     $$\frac{d\,\text{kinetic}}{dt} = \lVert f \rVert^2,\qquad
     \frac{d\,\text{jacobian}}{dt} = \lVert \partial f/\partial z \rVert_F^2,$$
 
-    from the same probes as the divergence. Leave them out of the step-size control
-    (`norm=lambda y: cnftrace.max_rms_norm(y[:2])`).
-
-    Probes are drawn once per solve ([`make_args`][cnftrace.CNFTerm.make_args]), so
-    the ODE stays deterministic.
+    from the same probes as the divergence; leave them out of the step-size control
+    (`norm=lambda y: cnftrace.max_rms_norm(y[:2])`). Probes are drawn once per solve
+    ([`make_args`][cnftrace.CNFTerm.make_args]).
 
     !!! example
 
@@ -131,8 +126,7 @@ class CNFTerm(ODETerm):
 
     **Arguments:**
 
-    - `vector_field`: `f(t, z, args)` for *one* sample `z` of shape `event`; returns an
-        array of the same shape.
+    - `vector_field`: `f(t, z, args)` for *one* sample `z`, returning `z`'s shape.
     - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default.
     - `event_ndim`: how many trailing dimensions of `z` make one sample.
     - `regularize`: also integrate the kinetic energy and the Jacobian's squared
