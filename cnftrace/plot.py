@@ -83,11 +83,9 @@ def plot_flow_2d(
     **Arguments:**
 
     - `flow`: a flow of 2-D samples.
-    - `data`: samples of the data, shape `(n, 2)`.
-    - `samples`: samples of the flow, shape `(m, 2)`.
+    - `data`, `samples`: samples of the data `(n, 2)` and of the flow `(m, 2)`.
     - `path`: the PNG file to write.
-    - `lim`, `resolution`: the square `[-lim, lim]^2` shown and the density grid's
-        points along each axis (see [`density_grid`][cnftrace.plot.density_grid]).
+    - `lim`, `resolution`: as for [`density_grid`][cnftrace.plot.density_grid].
     - `title`: an optional title above the panels.
 
     !!! example
@@ -151,13 +149,11 @@ def plot_samples(
 
     **Arguments:**
 
-    - `data`: the data, shape `(n, dim)`.
-    - `samples`: samples of the flow, shape `(m, dim)`.
+    - `data`, `samples`: the data `(n, dim)` and samples of the flow `(m, dim)`.
     - `path`: the PNG file to write.
     - `names`: the columns' names, for the axes.
     - `max_columns`: how many of the first columns to show.
-    - `title`: an optional first line of the title; the title always says where the
-        data and the samples are, and which columns are shown if not all.
+    - `title`: an optional first line of the title.
 
     !!! example
 

@@ -94,7 +94,8 @@ class CNFTerm(ODETerm):
     $$\frac{dz}{dt} = f(t, z, \text{args}),\qquad
     \frac{d\,\delta\log p}{dt} = -\operatorname{tr}\frac{\partial f}{\partial z},$$
 
-    per sample, with the trace from `estimator`. With `regularize=True` the state
+    per sample, with the trace from `estimator`, so `delta_logp(t1) = log p_t1(z(t1))
+    - log p_t0(z(t0))`. With `regularize=True` the state
     gains RNODE's two integrals, `(z, delta_logp, kinetic, jacobian)`:
 
     $$\frac{d\,\text{kinetic}}{dt} = \lVert f \rVert^2,\qquad
