@@ -14,16 +14,14 @@ from .._custom_types import Key
 
 
 class ConcatConv2d(eqx.Module):
-    """A 3x3 convolution (padding 1, so the size is kept) of `x` with the time `t`
-    appended as an extra constant input channel: FFJORD's `ConcatConv2d`. Acts on one
-    sample of shape `(channels, h, w)`, called as `layer(t, x)`.
+    """FFJORD's `ConcatConv2d`: a size-keeping convolution of one sample `x`
+    `(channels, h, w)` with the time as an extra input channel; `layer(t, x)`.
 
     **Arguments:**
 
     - `in_channels`, `out_channels`: the channels of the input and the output.
-    - `kernel_size`: an odd kernel size (3 by default); the padding keeps the size.
-    - `key`: PRNG key for the initialisation.
-    - `dtype`: parameter dtype (JAX's default float if omitted).
+    - `kernel_size`: an odd kernel size (3 by default).
+    - `key`, `dtype`: PRNG key for the initialisation, parameter dtype.
 
     !!! example
 
@@ -60,10 +58,9 @@ class ConcatConv2d(eqx.Module):
 
 
 class ConvField(eqx.Module):
-    """FFJORD's conv vector field for images: [`ConcatConv2d`][cnftrace.ConcatConv2d]
-    layers `channels -> hidden[0] -> ... -> hidden[-1] -> channels` with an activation
-    between layers. Callable as a diffrax vector field `f(t, y, args)` on one image
-    `y` of shape `(channels, h, w)`; any `h, w` work (the convs keep the size).
+    """FFJORD's conv vector field: [`ConcatConv2d`][cnftrace.ConcatConv2d] layers
+    `channels -> *hidden -> channels`, called as `f(t, y, args)` on one image `y`
+    `(channels, h, w)` of any size.
 
     **Arguments:**
 
