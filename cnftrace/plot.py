@@ -1,10 +1,5 @@
-"""Pictures of flows (needs matplotlib, the `plot` extra): the learned density of a
-2-D flow beside its data and samples, data and samples of a table side by side,
-training curves, and grids of images.
-
-Every function writes a PNG atomically (a killed run leaves no half-written file) and
-returns its path.
-"""
+"""Pictures of flows (needs matplotlib, the `plot` extra). Every function writes a
+PNG atomically and returns its path."""
 
 import io
 import os
@@ -65,8 +60,7 @@ def density_grid(
 
 
 def _atomic_savefig(fig, path: str) -> None:
-    """Writes the figure atomically (`atomic_write`), so a failure never leaves a
-    partial picture; its format follows `path`'s extension (PNG without one)."""
+    """Writes the figure atomically, in the format of `path`'s extension (PNG)."""
     buffer = io.BytesIO()
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     fig.savefig(buffer, format=fmt, dpi=110, bbox_inches="tight")
@@ -89,11 +83,9 @@ def plot_flow_2d(
     **Arguments:**
 
     - `flow`: a flow of 2-D samples.
-    - `data`: samples of the data, shape `(n, 2)`.
-    - `samples`: samples of the flow, shape `(m, 2)`.
+    - `data`, `samples`: samples of the data `(n, 2)` and of the flow `(m, 2)`.
     - `path`: the PNG file to write.
-    - `lim`, `resolution`: the square `[-lim, lim]^2` shown and the density grid's
-        points along each axis (see [`density_grid`][cnftrace.plot.density_grid]).
+    - `lim`, `resolution`: as for [`density_grid`][cnftrace.plot.density_grid].
     - `title`: an optional title above the panels.
 
     !!! example
@@ -151,21 +143,17 @@ def plot_samples(
     max_columns: int = 4,
     title: str | None = None,
 ) -> str:
-    """Saves a grid that compares samples of a flow with the data, column by column,
-    in the data's units: a histogram of each column on the diagonal (data and
-    samples overlaid), the data below the diagonal and the samples above it, for
-    each pair of the first `max_columns` columns (the title says so when there
-    are more); returns `path`.
+    """Saves a grid comparing samples of a flow with the data: each column's
+    histograms on the diagonal, the data below it and the samples above, for the
+    first `max_columns` columns; returns `path`.
 
     **Arguments:**
 
-    - `data`: the data, shape `(n, dim)`.
-    - `samples`: samples of the flow, shape `(m, dim)`.
+    - `data`, `samples`: the data `(n, dim)` and samples of the flow `(m, dim)`.
     - `path`: the PNG file to write.
     - `names`: the columns' names, for the axes.
     - `max_columns`: how many of the first columns to show.
-    - `title`: an optional first line of the title; the title always says where the
-        data and the samples are, and which columns are shown if not all.
+    - `title`: an optional first line of the title.
 
     !!! example
 
@@ -224,18 +212,13 @@ def plot_training_curves(
     *,
     entropy: float | None = None,
 ) -> str:
-    """Saves training curves, the training NLL (each step's, and its running mean)
-    with the validation NLL where there is one, and the NFE per solve, against the
-    step, as a PNG; returns `path`.
+    """Saves training curves (training and validation NLL, NFE per solve) against
+    the step as a PNG; returns `path`.
 
     **Arguments:**
 
-    - `records`: the `history` that [`fit`][cnftrace.fit] returns (a dict of lists
-        with `step`, `loss` and `nfe`, and `val_step`, `val_nll` and `val_stderr`
-        where it validated), or a list of records, each a dict with those keys (the
-        lines of a command-line run's `metrics.jsonl`, where a validation's
-        `val_nll` and `val_stderr` sit in the record of its step or in one of their
-        own).
+    - `records`: the `history` that [`fit`][cnftrace.fit] returns, or a list of
+        records (the lines of a run's `metrics.jsonl`).
     - `path`: the PNG file to write.
     - `entropy`: the data's true entropy, drawn as a horizontal line, if known.
 

@@ -1,6 +1,5 @@
 """A user's own table of samples as a training source (`file_source`), and what a
-run pins about those files (`DataFile`): enough to read them again the same way,
-and to tell whether they, or the way they are read, have changed."""
+run pins about those files (`DataFile`)."""
 
 import dataclasses
 import os
@@ -20,18 +19,13 @@ from ._standardization import Standardization
 @dataclass(frozen=True, kw_only=True)
 class FileSource(DataSource):
     """A user's own table of samples, as
-    [`file_source`][cnftrace.datasets.file_source] reads it: batches drawn from its
-    training rows (in model space: standardised, where it is), fixed validation and
-    test splits, `test` in the data's own units; scored against the
-    full-covariance Gaussian fitted to its training rows (`reference`).
+    [`file_source`][cnftrace.datasets.file_source] reads it; `test` is in the data's
+    own units.
 
     - `standardization`: the map from the data's units to model space, or `None`.
-    - `table`: the [`Table`][cnftrace.datasets.Table] read (column names, paths,
-        SHA-256 of each file).
-    - `grid`: for files read with `dequantize`, each column's grid step in the
-        data's units (NaN for a column not on a grid; see
-        [`grid_steps`][cnftrace.datasets.grid_steps]), else `None`;
-        `grid_origin`, a value on each column's grid (its least training value).
+    - `table`: the [`Table`][cnftrace.datasets.Table] read.
+    - `grid`, `grid_origin`: with `dequantize`, each column's grid step
+        ([`grid_steps`][cnftrace.datasets.grid_steps]) and least training value.
     - `data_file`: the [`DataFile`][cnftrace.datasets.DataFile] that reads the
         same rows again.
     """
@@ -72,13 +66,10 @@ _SETTINGS += ("standardize", "drop_missing", "header", "dequantize")
 
 @dataclass(frozen=True)
 class DataFile:
-    """What a run pins about the files it trains on: how they were read (the
-    arguments of [`file_source`][cnftrace.datasets.file_source]) and what was
-    found (each file's SHA-256 and rows, the column names, the standardisation's
-    statistics, the grid of a dequantised column). `file_source(...).data_file`
-    is one; [`read`][cnftrace.datasets.DataFile.read] reads the same rows again;
-    `to_json`/`from_json` give the record a run's `config.json` holds under
-    `data_file`.
+    """What a run pins about the files it trains on: the arguments of
+    [`file_source`][cnftrace.datasets.file_source] and what was found.
+    [`read`][cnftrace.datasets.DataFile.read] reads the same rows again;
+    `to_json`/`from_json` give the record in a run's `config.json`.
 
     - `paths`, `sha256`, `rows`: each file, the SHA-256 of its bytes, its rows.
     - `columns`: the columns asked for (names or positions), or `None` for all;
@@ -86,10 +77,9 @@ class DataFile:
     - `array`, `val_fraction`, `test_fraction`, `split_seed`, `header`: as given
         to `file_source` (its `seed` is `split_seed`).
     - `mean`, `scale`: the standardisation's statistics, `None` without it.
-    - `dropped_rows`: the rows dropped from each file for a missing value, `None`
-        unless they were dropped (`drop_missing`).
+    - `dropped_rows`: rows dropped from each file (`drop_missing`), else `None`.
     - `grid_steps`, `grid_origin`: each column's grid step and a value on its grid
-        (0 for a column not on a grid), `None` unless dequantised.
+        (0 off the grid), `None` unless dequantised.
     """
 
     paths: tuple[str, ...]
@@ -133,9 +123,7 @@ class DataFile:
         )
 
     def read(self) -> FileSource:
-        """The files read, split and standardised again as they were: the same
-        source, where the files hold the same bytes (compare `sha256` with the
-        source's `table.sha256`)."""
+        """The files read, split and standardised again as they were."""
         return file_source(
             list(self.paths),
             columns=self._columns(),
@@ -150,9 +138,7 @@ class DataFile:
         )
 
     def onto_grid(self, x: np.ndarray) -> np.ndarray:
-        """Samples with each dequantised column rounded back to its grid (the cell a
-        sample falls in), as the data were; samples of files not dequantised as
-        they are."""
+        """Samples with each dequantised column rounded back to its grid."""
         if self.grid_steps is None:
             return x
         step = np.asarray(self.grid_steps, np.float64)
@@ -164,21 +150,18 @@ class DataFile:
         return x
 
     def _columns(self) -> list | None:
-        """The columns asked for, stripped of blanks (a run that stored
-        `--columns 'x, y'` as `["x", " y"]` asked for `x` and `y`)."""
+        """The columns asked for, stripped of blanks (old runs stored `" y"`)."""
         if self.columns is None:
             return None
         return [c.strip() if isinstance(c, str) else c for c in self.columns]
 
     def settings(self) -> dict[str, Any]:
-        """What decides the rows trained on, their split and their standardisation
-        besides the files' bytes, as JSON values."""
+        """The settings that decide the rows besides the files' bytes, as JSON."""
         values = {name: getattr(self, name) for name in _SETTINGS}
         return dict(values, columns=self._columns())
 
     def changed_settings(self, now: "DataFile") -> list[str]:
-        """The settings that `now` changes, as `name: value here, value now`:
-        resuming would train on other rows."""
+        """The settings that `now` changes, as readable lines."""
         there, here = self.settings(), now.settings()
         return [
             f"{name}: {there[name]!r} there, {here[name]!r} now"
@@ -187,8 +170,7 @@ class DataFile:
         ]
 
     def changed_files(self, now: "DataFile") -> list[str]:
-        """The files whose SHA-256 differs in `now` (the same path, other bytes),
-        as readable lines."""
+        """The files whose SHA-256 differs in `now`, as readable lines."""
         found = dict(zip(now.paths, now.sha256))
         return [
             f"{path} (SHA-256 {sha[:12]}... when the run began, {found[path][:12]}... "
@@ -198,8 +180,7 @@ class DataFile:
         ]
 
     def to_json(self) -> dict[str, Any]:
-        """The record as JSON values; the settings left at their defaults
-        (`header`, `drop_missing`, `dequantize`) are left out."""
+        """The record as JSON values, defaults left out."""
         out = {
             "paths": list(self.paths),
             "sha256": list(self.sha256),
@@ -227,8 +208,7 @@ class DataFile:
 
     @classmethod
     def from_json(cls, record: Any) -> "DataFile":
-        """The record `to_json` wrote; a `ValueError` naming a key that is missing,
-        unknown, or at odds with another."""
+        """The record `to_json` wrote; raises `ValueError` naming a bad key."""
         if not isinstance(record, dict):
             raise ValueError(f"`data_file` must be a JSON object; got {record!r:.60}.")
         fields = dataclasses.fields(cls)
@@ -262,10 +242,9 @@ _GRID_TOLERANCE = 1e-6
 
 
 def grid_steps(rows: np.ndarray) -> np.ndarray:
-    """Each column's grid step: for a column whose values all lie a whole number of
-    one step apart (counts, rounded measurements: at most one distinct value per two
-    rows, so that it is not a continuous column that happens to fit), that step, the
-    smallest gap between its distinct values; NaN for the others.
+    """Each column's grid step (the smallest gap between its distinct values) where
+    all its values lie whole steps apart and it has at most one distinct value per
+    two rows; NaN for the others.
 
     !!! example
 
@@ -294,9 +273,7 @@ def grid_steps(rows: np.ndarray) -> np.ndarray:
 
 
 def _dequantized(rows: np.ndarray, steps: np.ndarray, seed: int) -> np.ndarray:
-    """`rows` with each grid column moved by one fixed draw of uniform noise over
-    its grid cell (seeded: a run's validation and test rows are the same each time
-    they are read)."""
+    """`rows` with each grid column moved by one seeded draw of noise over its cell."""
     width = np.nan_to_num(steps)
     u = np.random.default_rng(seed).uniform(-0.5, 0.5, rows.shape)
     return rows + u * width[None]
@@ -315,21 +292,17 @@ def file_source(
     header: bool | None = None,
     dequantize: bool = False,
 ) -> FileSource:
-    """A user's own table of samples as a training source: the files read and checked
-    by [`read_table`][cnftrace.datasets.read_table] (with its `columns`, `array`,
-    `drop_missing` and `header`), split by
-    [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split), and,
-    with `standardize`, standardised by the training rows' mean and standard
-    deviation, in float64 on the host. Batches are drawn from the training rows;
-    `test(seed, n)` returns the first `n` test rows (all for `n` of `None` or 0) in
-    the data's own units. A column that takes one value over the training rows is
-    refused by name, and so, without `standardize`, is a value beyond the range of
-    JAX's float. With `dequantize`, each column on a grid
-    ([`grid_steps`][cnftrace.datasets.grid_steps]) moves by uniform noise over its
-    grid cell, afresh in each training batch and by one fixed draw in the
-    validation and test rows. The source's `data_file` (a
-    [`DataFile`][cnftrace.datasets.DataFile]) pins what was read, and reads it
-    again.
+    """A user's own table of samples as a training source: the files read by
+    [`read_table`][cnftrace.datasets.read_table] (`columns`, `array`,
+    `drop_missing`, `header`), split by
+    [`split_table`][cnftrace.datasets.split_table] (`seed` picks the split) and,
+    with `standardize`, standardised by the training rows. With `dequantize`, each
+    column on a grid ([`grid_steps`][cnftrace.datasets.grid_steps]) moves by
+    uniform noise over its cell. Its `data_file` (a
+    [`DataFile`][cnftrace.datasets.DataFile]) pins what was read.
+
+    Raises `ValueError` for a constant column, or (without `standardize`) a value
+    beyond the range of JAX's float.
 
     !!! example
 
@@ -382,11 +355,8 @@ def file_source(
                 "dequantize has nothing to do; drop it."
             )
         width = np.nan_to_num(grid) / (1.0 if std is None else np.asarray(std.scale))
-        # Fixed draws (by the split seed) for the held-out rows; fresh ones in each
-        # training batch.
         val = _dequantized(splits.val, grid, seed + 1)
         test = _dequantized(splits.test, grid, seed + 2)
-        # What baselines and a fitted base see: the training rows, one fixed draw.
         reference = _dequantized(splits.train, grid, seed)
     origin = None if grid is None else splits.train.min(axis=0)
     if isinstance(columns, str):  # as `read_table` reads them
@@ -425,9 +395,8 @@ def file_source(
 
 
 def _check_range(table: Table, std: Standardization | None) -> None:
-    """A `ValueError` naming the first value of `table` that is beyond the range of
-    JAX's default float (float32 unless x64 is on) in the units the flow sees it
-    in: as it is, or standardised by `std`."""
+    """Raises `ValueError` naming the first value beyond JAX's default float's
+    range in the units the flow sees (standardised by `std`, if given)."""
     dtype = np.dtype(jnp.result_type(float))
     largest = np.finfo(dtype).max
     seen = table.data if std is None else std.forward(table.data)

@@ -1,7 +1,6 @@
 """A user's own table of samples, read from files (see
-[`read_table`][cnftrace.datasets.read_table] for the formats and every check). Each
-file is read once, as bytes: its SHA-256 (what pins a run's data) is that of the
-bytes parsed, those of the file itself for a compressed one."""
+[`read_table`][cnftrace.datasets.read_table]). Each file is read once, as bytes,
+so its SHA-256 is that of the bytes parsed."""
 
 import bz2
 import gzip
@@ -28,8 +27,7 @@ FORMATS_SHOWN = (
 )
 _DELIMITERS = {".csv": ",", ".tsv": "\t"}
 SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
-# The first bytes of the formats a data file may turn out to be, and the extension
-# that says so.
+# The first bytes of the formats a data file may be, and their extension.
 _MAGIC = (
     (b"\x1f\x8b", "gzip-compressed", ".gz"),
     (b"BZh", "bzip2-compressed", ".bz2"),
@@ -46,16 +44,14 @@ class Table(NamedTuple):
     """The samples of one or more files, as
     [`read_table`][cnftrace.datasets.read_table] returns them.
 
-    - `data`: a float64 array of shape `(n, dim)`, the files' rows one after another.
-    - `names`: the column names (from a header line or a Parquet file), or `None`.
+    - `data`: a float64 array `(n, dim)`, the files' rows one after another.
+    - `names`: the column names, or `None`.
     - `paths`: the files read, in order.
     - `sha256`: the SHA-256 of each file's bytes.
     - `rows`: the number of rows each file gave.
-    - `dropped`: the number of rows of each file dropped for a missing value
-        (`drop_missing`); zeros without it, `()` in a `Table` built without them.
-    - `first_dropped`: where each file's first dropped row was, `"line 7"` in a text
-        file (lines from 1) or `"row 6"` in an array (rows from 0); `None` for a
-        file with none dropped.
+    - `dropped`: the rows of each file dropped for a missing value.
+    - `first_dropped`: where each file's first dropped row was (`"line 7"`,
+        `"row 6"`), or `None`.
     """
 
     data: np.ndarray
@@ -163,9 +159,8 @@ def _read_parquet(path: str, raw: bytes, columns):
 
 
 def data_format(path: str) -> tuple[str, str | None] | None:
-    """`(format, compression)` of a data file by its name: `(".csv", None)` for
-    `x.csv`, `(".csv", ".gz")` for `x.csv.gz`, `(None, ".zip")` for a zip archive
-    (its table's name decides); `None` for a name of no format read here."""
+    """`(format, compression)` of a data file by its name (`(".csv", ".gz")` for
+    `x.csv.gz`); `None` for a name of no format read here."""
     name = os.path.basename(os.fspath(path)).lower()
     root, ext = os.path.splitext(name)
     if ext in COMPRESSIONS:
@@ -196,9 +191,8 @@ def _is_spreadsheet(raw: bytes) -> bool:
 
 
 def _check_kind(path: str, raw: bytes, ext: str) -> None:
-    """A `ValueError` where the bytes of a file (or of the table inside a compressed
-    file or an archive) are of another kind than its name says: a CSV renamed
-    `.npy`, a gzip file named `.csv`, ..."""
+    """Raises `ValueError` where a file's bytes are of another kind than its name
+    says."""
     found = _sniffed(raw)
     wanted = {".npy": ".npy", ".npz": ".zip", ".parquet": ".parquet"}.get(ext)
     if wanted is None:  # text: no binary format's first bytes
@@ -228,9 +222,8 @@ def _check_kind(path: str, raw: bytes, ext: str) -> None:
 
 
 def _contents(path: str, raw: bytes, compression: str | None):
-    """`(where, bytes, format)` of the table a file holds: the file itself, the
-    decompressed bytes of a `.gz`, `.bz2` or `.xz` file, or the one table of a
-    `.zip` archive; `where` names it in messages."""
+    """`(where, bytes, format)` of the table a file holds, decompressed or taken
+    from its archive; `where` names it in messages."""
     if compression is None:
         return path, raw, data_format(path)[0]
     if compression == ".zip":
@@ -264,8 +257,7 @@ def _contents(path: str, raw: bytes, compression: str | None):
 
 
 def _zipped_table(path: str, raw: bytes):
-    """`_contents` of a `.zip` archive: its one table (a file whose name ends in a
-    format read here, uncompressed), folders and macOS's `__MACOSX/` and dot files
+    """`_contents` of a `.zip` archive: its one table, folders and dot files
     aside."""
     with zipfile.ZipFile(io.BytesIO(raw)) as z:
         files = [
@@ -291,9 +283,8 @@ def _zipped_table(path: str, raw: bytes):
 
 
 def _check_finite(path, data, names, lines, drop_missing: bool):
-    """`(data, dropped, first_row)`: `data` without the rows holding NaN (a missing
-    value) where `drop_missing`, their number and the first one's index; a
-    `ValueError` naming the first row holding inf, or NaN without `drop_missing`."""
+    """`(data, dropped, first_row)`: `data` less its NaN rows with `drop_missing`;
+    raises `ValueError` naming the first row holding inf (or NaN without it)."""
     nan = np.isnan(data)
     missing = nan.any(axis=1)
     inf = np.isinf(data)
@@ -320,9 +311,7 @@ def _check_finite(path, data, names, lines, drop_missing: bool):
 
 
 def _read_bytes(path: str) -> bytes:
-    """The bytes of a data file, after the checks of its name: a directory, `-`
-    (standard input), a spreadsheet, an unknown extension, a missing or empty
-    file."""
+    """The bytes of a data file, after the checks of its name."""
     if path == "-":
         raise ValueError(
             "- (standard input) cannot be read as data: a run reads its data file "
@@ -402,41 +391,20 @@ def read_table(
 
     **Arguments:**
 
-    - `paths`: a file, or several files whose rows are stacked in order; each ends
-        in `.npy`, `.npz`, `.csv`, `.tsv` or `.parquet` (Parquet needs pandas with
-        pyarrow or fastparquet); a `.csv`, `.tsv` or `.npy` may be compressed
-        (`.gz`, `.bz2`, `.xz`: `points.csv.gz`), and a `.zip` archive holding one
-        such table is read as that table. A file given twice (or two files of the
-        same bytes) is refused: its rows would be counted twice.
-    - `columns`: the columns to keep, by header name or 0-based position (blanks
-        around a name aside); all by default, less a last column that is empty on
-        every line (Excel ends every line with a comma when a blank column
-        follows the table).
-    - `array`: for `.npz` files, the name of the array (needed when a file holds
-        several).
-    - `drop_missing`: drop the rows with a missing value in the chosen columns,
-        instead of refusing the file: in a text file, a cell that is empty or reads
-        `NA`, `N/A`, `#N/A`, `<NA>`, `NaN`, `null`, `None` or `?` (in any case,
-        blanks around it aside); NaN in an array or a Parquet file, and Parquet's
-        nulls. inf is not missing: it is refused either way, and so is text.
-    - `header`: whether a text file's first line names its columns. `None` (the
-        default): it does when one of its fields is not a number; a first line of
-        numbers alone is then read as data, and a warning says so (`True` reads
-        such a line as names: years, wavelengths).
+    - `paths`: a file, or several whose rows are stacked in order: `.npy`, `.npz`,
+        `.csv`, `.tsv` or `.parquet`, text and `.npy` optionally compressed (`.gz`,
+        `.bz2`, `.xz`), or a `.zip` holding one such table (docs/own-data.md lists
+        the details). The same bytes given twice are refused.
+    - `columns`: the columns to keep, by header name or 0-based position; all by
+        default, less a last column empty on every line.
+    - `array`: for `.npz` files, the name of the array.
+    - `drop_missing`: drop the rows with a missing value (an empty cell, `NA`,
+        `NaN`, `null`, ...) in the chosen columns instead of refusing the file.
+    - `header`: whether a text file's first line names its columns; `None`: when
+        one of its fields is not a number.
 
-    **Returns:**
-
-    A [`Table`][cnftrace.datasets.Table]: the float64 data, column names, paths,
-    SHA-256 of each file, rows per file and, per file, the rows dropped and where
-    the first of them was.
-
-    A `ValueError` names the file, the row (and line) or column, and the fix, for an
-    empty file, text where a number should be, a field missing from a line, a header
-    line repeated further down, a missing value (without `drop_missing`), inf, files
-    with different columns, a text file not in UTF-8, a file whose bytes are of
-    another format than its name says (or separated by another character), a
-    spreadsheet, or a directory. A text file of `PROGRESS_BYTES` or more shows the
-    progress of its parsing on stderr.
+    Returns a [`Table`][cnftrace.datasets.Table]. A `ValueError` names the file,
+    the row or column, and the fix, for anything not a table of finite numbers.
 
     !!! example
 

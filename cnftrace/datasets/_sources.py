@@ -1,7 +1,5 @@
-"""The data sets of the command line as training sources, one class per kind of data:
-toy 2-D sets, built-in tables (scikit-learn's, MAF's UCI sets from a directory),
-images (the 8x8 digits and MNIST, dequantised, in logit space), and a user's own
-files (`_file_source`), with the figures their test NLL is read against."""
+"""The command line's data sets as training sources, one class per kind of data,
+with the figures their test NLL is read against."""
 
 import abc
 import math
@@ -45,29 +43,16 @@ LOGIT_ALPHA = 1e-6
 class DataSource(abc.ABC):
     """What a training run needs from its data, as
     [`data_source`][cnftrace.datasets.data_source] and
-    [`file_source`][cnftrace.datasets.file_source] return it: one final class per
-    kind of data ([`ToySource`][cnftrace.datasets.ToySource],
-    [`TableSource`][cnftrace.datasets.TableSource],
-    [`ImageSource`][cnftrace.datasets.ImageSource],
-    [`FileSource`][cnftrace.datasets.FileSource]), each answering for itself what
-    the command line asks of it.
+    [`file_source`][cnftrace.datasets.file_source] return it.
 
     - `train`: `(key, n) -> batch` of fresh training samples (in model space).
     - `validation`: a fixed array in model space, or `None`.
-    - `test`: `test(seed, n)`, the test set in the units of the flow that
-        `cnftrace.load` returns for a run on this data: model space, except for a
-        standardised file, where it is the data's own units (the loaded flow is a
-        [`StandardizedFlow`][cnftrace.StandardizedFlow]). `n` samples of a toy
-        set; the first `n` rows of the fixed test split of a table or a file (all
-        of them for `n` of `None` or 0).
-    - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing (0 if
-        none), so `NLL_x = NLL_y - mean(test_log_det)`.
-    - `reference`: training samples in the units of `test`, which the
-        full-covariance Gaussian baseline is fitted to (tables, files and the
-        digits), or `None`.
-    - `fixed_test` (a class attribute): whether `test` is a fixed split (its
-        first `n` rows, whatever the seed) rather than samples or noise drawn by
-        the seed.
+    - `test`: `test(seed, n)`, the test set in the units of the flow `cnftrace.load`
+        returns for this data (a standardised file's own units, else model space):
+        `n` samples, or the first `n` rows of a fixed split (all for `None` or 0).
+    - `test_log_det`: per-sample `log|dy/dx|` of the test set's preprocessing.
+    - `reference`: training samples in `test`'s units for the Gaussian baseline.
+    - `fixed_test` (class attribute): whether `test` is a fixed split.
     """
 
     name: str
@@ -86,8 +71,7 @@ class DataSource(abc.ABC):
 
     @property
     def entropy(self) -> float | None:
-        """The data's true differential entropy in nats, where it is known (the
-        toy sets), else `None`."""
+        """The data's differential entropy in nats where known, else `None`."""
         return None
 
     @property
@@ -96,21 +80,17 @@ class DataSource(abc.ABC):
         return None
 
     def to_model(self, x: np.ndarray) -> np.ndarray:
-        """Samples in the units of `test` mapped to model space (the units the flow
-        trains in): the identity, except for a standardised file."""
+        """Samples in the units of `test` mapped to model space."""
         return x
 
     def as_data(self, y: np.ndarray) -> np.ndarray:
-        """A flow's samples in the units of `test`, as the data look: images as
-        pixel intensities in `[0, 1]` of shape `image_shape`, other data as they
-        are."""
+        """A flow's samples in the units of `test` as the data look (images as
+        pixels in `[0, 1]` of shape `image_shape`)."""
         return y
 
 
 def _baseline(source: DataSource, test: np.ndarray) -> tuple[float | None, str | None]:
-    """`(nll, why)`: the test NLL of the full-covariance Gaussian fitted to the
-    source's reference rows (`None` without them), or, where its covariance is
-    singular, `None` and the reason."""
+    """`(nll, why)`: the Gaussian baseline's test NLL, or `None` and why not."""
     if source.reference is None:
         return None, None
     try:
@@ -120,8 +100,7 @@ def _baseline(source: DataSource, test: np.ndarray) -> tuple[float | None, str |
 
 
 def table_score(source: DataSource, test: np.ndarray) -> dict:
-    """The score of a table on `test`: its full-covariance Gaussian baseline (and
-    why it is undefined, where it is)."""
+    """A table's score on `test`: its Gaussian baseline (or why it is undefined)."""
     baseline, undefined = _baseline(source, test)
     report = {"gaussian_baseline_nll": baseline}
     if undefined is not None:
@@ -131,8 +110,7 @@ def table_score(source: DataSource, test: np.ndarray) -> dict:
 
 @dataclass(frozen=True)
 class ToySource(DataSource):
-    """A toy 2-D set (`TOY_DATASETS`): fresh samples every batch and test set, no
-    validation set; scored against its true entropy."""
+    """A toy 2-D set: fresh samples, no validation set; scored by its entropy."""
 
     @property
     def entropy(self) -> float:
@@ -144,9 +122,7 @@ class ToySource(DataSource):
 
 @dataclass(frozen=True)
 class TableSource(DataSource):
-    """A built-in table of rows (scikit-learn's tables, MAF's UCI sets): batches
-    drawn from its training rows, fixed validation and test splits; scored against
-    the full-covariance Gaussian fitted to its training rows (`reference`)."""
+    """A built-in table: fixed splits; scored against the Gaussian baseline."""
 
     fixed_test: ClassVar[bool] = True
 
@@ -156,9 +132,7 @@ class TableSource(DataSource):
 
 @dataclass(frozen=True, kw_only=True)
 class ImageSource(DataSource):
-    """Dequantised images in logit space (the digits, MNIST), flattened: fresh
-    noise in every batch, fixed noise (by the seed) in the validation and test
-    sets; scored in bits per dimension.
+    """Dequantised images in logit space, flattened; scored in bits per dimension.
 
     - `shape`: the shape of one image.
     - `levels`: its number of grey levels.
@@ -192,12 +166,9 @@ class ImageSource(DataSource):
 
 def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
     """Test NLL (nats) of a full-covariance Gaussian fitted to `train` by maximum
-    likelihood (with `1e-6` added to the covariance's diagonal): the simple baseline
-    a flow should beat.
+    likelihood (`1e-6` added to the covariance's diagonal).
 
-    A `ValueError` says it is undefined where the fitted covariance is singular
-    (fewer training rows than columns, or columns that are linear combinations of
-    the others): its NLL would be set by the jitter alone.
+    Raises `ValueError` where the fitted covariance is singular.
 
     !!! example
 
@@ -211,9 +182,7 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
         ```
     """
     train, test = np.asarray(train, np.float64), np.asarray(test, np.float64)
-    # In float64, each column divided by a power of two near its largest magnitude
-    # (exactly), so that values near float64's largest do not overflow; the jitter
-    # stays 1e-6 in the data's units.
+    # Columns scaled exactly by a power of two so that huge values do not overflow.
     power = np.ldexp(1.0, np.frexp(np.abs(train).max(axis=0))[1] - 1)
     train, test = train / power, test / power
     mean = train.mean(axis=0)
@@ -238,9 +207,7 @@ def gaussian_baseline_nll(train: np.ndarray, test: np.ndarray) -> float:
 
 
 def digits_from_logit(y: np.ndarray) -> np.ndarray:
-    """Maps logit-space digit samples back to pixel intensities in [0, 1] (the
-    inverse of the `digits` source's logit transform, clipped). The same map serves
-    the `mnist` source.
+    """Maps logit-space image samples back to pixels in [0, 1] (clipped).
 
     !!! example
 
@@ -256,9 +223,8 @@ def digits_from_logit(y: np.ndarray) -> np.ndarray:
 
 
 def _resampled(train: np.ndarray, width: np.ndarray | None = None) -> Callable:
-    """Batches drawn from the rows `train` with replacement; with `width`, each
-    column moved by uniform noise over `[-width/2, width/2]` (a dequantised column:
-    its grid step; 0 for the others), drawn afresh with each batch."""
+    """Batches of rows of `train` drawn with replacement; with `width`, each column
+    moved by fresh uniform noise over `[-width/2, width/2]`."""
     rows = jnp.asarray(train, jnp.result_type(float))
 
     def sample(key, n):
@@ -273,8 +239,7 @@ def _resampled(train: np.ndarray, width: np.ndarray | None = None) -> Callable:
 
 
 def _first_rows(test: np.ndarray) -> tuple[Callable, Callable]:
-    """`test` and `test_log_det` of a fixed test split: its first `n` rows (all of
-    them for `n` of `None` or 0), and as many zeros."""
+    """`test` and `test_log_det` of a fixed split: its first `n` rows, and zeros."""
     return (
         lambda seed, n: test[:n] if n else test,
         lambda seed, n: np.zeros(test[:n].shape[0] if n else test.shape[0]),
@@ -293,8 +258,7 @@ def _tabular(name: str, splits: Splits) -> TableSource:
 
 
 def _images(name, splits, image_shape, n_levels, validation_rows=None):
-    """Dequantised images in logit space: fresh noise every batch, fixed noise
-    (seed 1 for validation, the given seed for the test set) otherwise."""
+    """Dequantised images: fresh noise every batch, fixed noise otherwise."""
     train = jnp.asarray(splits.train.reshape(splits.train.shape[0], -1))
     dim = math.prod(image_shape)
 
@@ -344,15 +308,11 @@ def mnist_root(data_dir) -> str:
 
 
 def data_source(name: str, *, data_dir: str | os.PathLike | None = None) -> DataSource:
-    """The data set `name` as the command line trains on it: a toy 2-D set (fresh
-    samples every batch), a scikit-learn tabular set (batches drawn from its training
-    split), `"digits"` (dequantised with fresh noise every batch, in logit space,
-    flattened to 64 values), or one of the sets read from `data_dir`: MAF's UCI
-    sets (`power`, `gas`, `hepmass`, `miniboone`, `bsds300`, see
-    [`load_uci`][cnftrace.datasets.load_uci]) and `"mnist"` (MNIST's IDX files in
-    `data_dir` or `data_dir/mnist`, dequantised in logit space like the digits,
-    flattened to 784 values; the last 10000 training images are held out, the
-    first 1000 of them validated on).
+    """The data set `name` as the command line trains on it: a toy set, a built-in
+    table, `"digits"`, or one read from `data_dir` (MAF's UCI sets, see
+    [`load_uci`][cnftrace.datasets.load_uci], and `"mnist"`, in `data_dir` or
+    `data_dir/mnist`). Images are dequantised in logit space and flattened.
+    Raises `ValueError` for an unknown name or a malformed file.
 
     !!! example
 

@@ -1,7 +1,5 @@
-"""FFJORD's eight 2-D toy distributions (`lib/toy_data.py` of Grathwohl, Chen et al.,
-ICLR 2019, with the scikit-learn generators it calls), sampled with `jax.random`.
-Unlike FFJORD's, every sample is an i.i.d. draw and exactly `n` are returned.
-"""
+"""FFJORD's eight 2-D toy distributions (Grathwohl, Chen et al., ICLR 2019),
+sampled i.i.d. with `jax.random`, exactly `n` at a time."""
 
 import functools
 import math
@@ -31,11 +29,8 @@ def _unit(angle):
 
 
 def _draws(key, n, dtype, n_uniform, n_normal):
-    """`n_uniform` U[0, 1) and `n_normal` N(0, 1) columns from one `jr.uniform` call.
-
-    Each `jax.random` call adds to XLA's compile time, so every generator draws all
-    its randomness at once; normals use the inverse-erf map of `jr.normal`.
-    """
+    """`n_uniform` U[0, 1) and `n_normal` N(0, 1) columns from one `jr.uniform` call
+    (each `jax.random` call adds compile time)."""
     u = jr.uniform(key, (n, n_uniform + n_normal), dtype)
     lo = jnp.nextafter(jnp.asarray(-1, dtype), jnp.asarray(0, dtype))
     z = math.sqrt(2) * jax.lax.erf_inv(jnp.maximum(2 * u[:, n_uniform:] - 1, lo))
@@ -56,7 +51,6 @@ def _swissroll(key, n, dtype):
 
 
 def _8gaussians(key, n, dtype):
-    # Centres at radius 4 in the 8 compass directions, N(0, 0.5^2 I) noise, / 1.414.
     (u,), eps = _draws(key, n, dtype, 1, 2)
     centres = 4 * _unit(_choice(u, 8) * (jnp.pi / 4))
     return (centres + 0.5 * eps) / 1.414
@@ -92,8 +86,7 @@ def _moons(key, n, dtype):
 
 
 def _2spirals(key, n, dtype):
-    # t = sqrt(U) * 540 degrees; arm point (-t cos t, t sin t) + U(0, 0.5)^2 jitter,
-    # mirrored through the origin for half the points; / 3; + N(0, 0.1^2 I).
+    # An arm mirrored through the origin for half the points.
     (u_t, u_x, u_y, u_sign), eps = _draws(key, n, dtype, 4, 2)
     t = jnp.sqrt(u_t) * (3 * jnp.pi)
     arm = jnp.stack([-jnp.cos(t) * t + 0.5 * u_x, jnp.sin(t) * t + 0.5 * u_y], axis=-1)
@@ -102,7 +95,6 @@ def _2spirals(key, n, dtype):
 
 
 def _checkerboard(key, n, dtype):
-    # x1 ~ U(-2, 2); x2 = U(0, 1) - 2 * randint(0, 2) + (floor(x1) mod 2); both * 2.
     # Uniform on the 8 "black" 2x2 squares of a 4x4 board on [-4, 4]^2 (area 32).
     (u1, u2, u_row), _ = _draws(key, n, dtype, 3, 0)
     x1 = 4 * u1 - 2
@@ -111,7 +103,6 @@ def _checkerboard(key, n, dtype):
 
 
 def _rings(key, n, dtype):
-    # Radii 3, 2.25, 1.5, 0.75 with equal probability, uniform angle, N(0, 0.08^2 I).
     (u_ring, u_angle), eps = _draws(key, n, dtype, 2, 2)
     radius = 0.75 * (1 + _choice(u_ring, 4))
     return radius[:, None] * _unit(2 * jnp.pi * u_angle) + 0.08 * eps
@@ -143,23 +134,18 @@ def _check_name(name) -> str:
 
 
 def toy_sample(name: str, key: Key, n: int, dtype=None) -> Float[Array, "n 2"]:
-    """Draws `n` i.i.d. samples from the 2-D toy distribution `name` (jitted, with
-    `name`, `n` and `dtype` static, so it may also be called inside `jax.jit`).
+    """Draws `n` i.i.d. samples from the 2-D toy distribution `name` (jitted; may
+    be called inside `jax.jit`).
 
     **Arguments:**
 
-    - `name`: one of `TOY_DATASETS`: `"swissroll"`, `"8gaussians"`, `"pinwheel"`,
-        `"circles"`, `"moons"`, `"2spirals"`, `"checkerboard"` or `"rings"`.
-    - `key`: a JAX PRNG key (new-style `jax.random.key` or raw `PRNGKey`).
-    - `n`: the number of samples, a positive Python or NumPy integer.
+    - `name`: one of `TOY_DATASETS`.
+    - `key`: a JAX PRNG key.
+    - `n`: the number of samples, a positive integer.
     - `dtype`: a floating dtype; JAX's default float if omitted.
 
-    **Returns:**
-
-    An array of shape `(n, 2)` and dtype `dtype`.
-
-    Raises `ValueError` for an unknown `name`, an `n` that is not a positive
-    integer, or a `dtype` that is not floating.
+    Returns an array of shape `(n, 2)`. Raises `ValueError` for an unknown `name`,
+    a bad `n`, or a `dtype` that is not floating.
 
     !!! example
 
@@ -196,23 +182,11 @@ _EXACT = frozenset({"8gaussians", "checkerboard"})
 
 
 def toy_entropy(name: str) -> float:
-    """Returns the differential entropy, in nats, of the toy distribution `name`.
-
-    It is exact (to about 1e-6) for `"checkerboard"` and `"8gaussians"`; for the
-    other six it is a Monte Carlo estimate with standard error below 1e-3 (see
-    [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact], and the
-    "Quality" page for how each was computed).
-
-    **Arguments:**
-
-    - `name`: one of `TOY_DATASETS`.
-
-    **Returns:**
-
-    The entropy, a Python float. It is the lower bound of the expected NLL (in nats
-    per sample) of any model of the distribution.
-
-    Raises `ValueError` for an unknown `name`.
+    """The differential entropy in nats (a float) of the toy distribution `name`
+    (one of `TOY_DATASETS`): the lower bound of any model's expected NLL. Exact or
+    a Monte Carlo estimate (see
+    [`toy_entropy_is_exact`][cnftrace.datasets.toy_entropy_is_exact] and the
+    "Quality" page). Raises `ValueError` for an unknown `name`.
 
     !!! example
 
@@ -229,9 +203,8 @@ def toy_entropy(name: str) -> float:
 
 
 def toy_entropy_is_exact(name: str) -> bool:
-    """Whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact
-    (`"8gaussians"` and `"checkerboard"`) rather than a Monte Carlo estimate. Raises
-    `ValueError` for a `name` not in `TOY_DATASETS`.
+    """Whether [`toy_entropy`][cnftrace.datasets.toy_entropy]`(name)` is exact rather
+    than a Monte Carlo estimate. Raises `ValueError` for an unknown `name`.
 
     !!! example
 

@@ -1,7 +1,5 @@
-"""`fit_base`: a base distribution fitted to training rows by the classical methods
-(scikit-learn's EM with BIC for a Gaussian mixture; the EM of Peel and McLachlan,
-"Robust mixture modelling using the t distribution", 2000, for Student-t tails), in
-float64 NumPy on the host."""
+"""`fit_base`: a base distribution fitted to training rows by EM (scikit-learn's
+with BIC; Peel and McLachlan 2000 for Student-t tails), in float64 NumPy."""
 
 import math
 
@@ -14,8 +12,7 @@ from ._distributions import AbstractBase, StandardNormal
 from ._mixtures import GaussianMixture, StudentT, StudentTMixture
 
 BASE_KINDS = ("auto", "normal", "mixture", "t-mixture", "student-t")
-# The degrees of freedom EM starts from (the best of these for the mixture's first
-# fit): from very heavy (a variance-free 1.5) to nearly Gaussian.
+# The degrees of freedom EM starts from (the best of these).
 _DF_GRID = (1.5, 2.0, 3.0, 5.0, 8.0, 15.0, 30.0, 100.0)
 _DF_RANGE = (0.05, 1000.0)  # EM's degrees of freedom stay inside
 _EM_STEPS = 200
@@ -37,35 +34,24 @@ def fit_base(
     return_info: bool = False,
 ):
     """A base distribution fitted to the training rows `data`, for a flow whose
-    field starts at zero (`mlp_flow(..., base=base)`): the flow then starts as this
-    classical model, and training keeps what validation prefers.
+    field starts at zero (`mlp_flow(..., base=base)`).
 
     **Arguments:**
 
     - `data`: the training rows, shape `(n, d)`, finite.
-    - `validation`: held-out rows `(m, d)`, used by `kind="auto"` to choose
-        between candidates (without them, by BIC on `data`).
-    - `kind`:
-        - `"mixture"`: a Gaussian mixture (scikit-learn's EM, three starts), the
-          number of components (1 to `max_components`, at most one per two rows)
-          chosen by BIC;
-        - `"t-mixture"`: that mixture with Student-t components, their degrees of
-          freedom and every other parameter then fitted by maximum likelihood (EM,
-          from the Gaussian mixture);
-        - `"student-t"`: a product of Student-t distributions, one per coordinate,
-          each fitted by maximum likelihood;
-        - `"normal"`: the standard normal (no fitting);
-        - `"auto"` (default): the mixture or the t-mixture, whichever has the
-          better validation NLL: heavy tails where the data have them, the
-          Gaussian mixture where they do not.
+    - `validation`: held-out rows `(m, d)` for `kind="auto"`'s choice (without
+        them, BIC on `data`).
+    - `kind`: `"mixture"` (a Gaussian mixture, components chosen by BIC),
+        `"t-mixture"` (that mixture with Student-t components, refitted by EM),
+        `"student-t"` (a product of Student-t coordinates), `"normal"`, or
+        `"auto"` (default: the mixture or the t-mixture, by validation NLL).
     - `max_components`, `covariance` (`"full"` or `"diag"`): the mixture's.
     - `max_rows`: fit on a seeded random subset of at most this many rows.
     - `seed`: the seed of the subset and of EM's starts.
     - `trainable`: whether the returned base is trained with the flow.
     - `dtype`: the parameters' dtype (JAX's default float if omitted).
-    - `return_info`: also return a dict: `reason` (one line saying what was
-        chosen and why), `kind`, `components`, and each candidate's mean
-        validation NLL (`scores`).
+    - `return_info`: also return a dict (`reason`, `kind`, `components`,
+        `scores`).
 
     **Returns:**
 
@@ -125,9 +111,8 @@ def fit_base(
 def base_template(
     kind: str, dim: int, components: int | None = None, *, dtype=None
 ) -> AbstractBase:
-    """A base of `kind` (not `"auto"`) over vectors of size `dim` with `components`
-    components (for the mixtures): its structure, with placeholder values, for
-    loading fitted parameters into (a run's checkpoints)."""
+    """A base of `kind` (not `"auto"`) with placeholder values, to load fitted
+    parameters into."""
     if kind == "normal":
         return StandardNormal(dim)
     if kind == "student-t":
@@ -175,8 +160,7 @@ def _fit_mixture(train, max_components, covariance, seed):
 
     best, scores = None, {}
     top = max(1, min(max_components, train.shape[0] // 2))
-    # One BLAS thread: EM on a table's rows is small work, and BLAS threads that
-    # wait by spinning take many times longer on a machine whose cores are busy.
+    # One BLAS thread: spinning BLAS threads are far slower on busy cores.
     with threadpool_limits(1):
         for k in range(1, top + 1):
             fitted = SklearnMixture(
@@ -237,9 +221,8 @@ def _t_log_density(x, means, chols, df):
 
 
 def _t_mixture_em(x, weights, means, covs, df, diagonal: bool = False):
-    """Maximum-likelihood Student-t mixture by EM (Peel and McLachlan 2000, with
-    the ECM update of each component's degrees of freedom), from the given
-    parameters: `(weights, means, scale matrices, df)`."""
+    """`(weights, means, scale matrices, df)` of a Student-t mixture fitted by EM
+    (with ECM for `df`) from the given parameters."""
     n, d = x.shape
     weights, means, covs = weights.copy(), means.copy(), covs.copy()
     df = np.asarray(df, np.float64).copy()
@@ -282,10 +265,8 @@ def _t_mixture_em(x, weights, means, covs, df, diagonal: bool = False):
 
 
 def _fit_t_mixture(fitted, train):
-    """A Student-t mixture from scikit-learn's Gaussian mixture `fitted`: its
-    parameters as the start, the degrees of freedom of `_DF_GRID` with the best
-    training likelihood, then EM on every parameter. Returns `(weights, means,
-    scale matrices, df)`, the scales as variances for a diagonal mixture."""
+    """`(weights, means, scale matrices, df)` of a Student-t mixture fitted by EM
+    from the Gaussian mixture `fitted` (variances for a diagonal one)."""
     diagonal = fitted.covariance_type == "diag"
     weights = np.asarray(fitted.weights_, np.float64)
     means = np.asarray(fitted.means_, np.float64)
@@ -306,8 +287,7 @@ def _fit_t_mixture(fitted, train):
 
 
 def _fit_product_t(train, *, trainable, dtype) -> StudentT:
-    """Independent Student-t coordinates, each fitted by the same EM (one
-    component, one dimension) from its mean and standard deviation."""
+    """Independent Student-t coordinates, each fitted by the same EM."""
     d = train.shape[1]
     loc, scale, df = np.empty(d), np.empty(d), np.empty(d)
     for j in range(d):
@@ -326,8 +306,7 @@ def _fit_product_t(train, *, trainable, dtype) -> StudentT:
 
 
 def _choose(gm, tm, scores, validated: bool, bic_line, info):
-    """The Gaussian or the Student-t mixture, by `scores` (validation NLLs, or BIC
-    per row without validation rows), with the reason."""
+    """The Gaussian or the Student-t mixture, by `scores`, with the reason."""
     how = "validation NLL" if validated else "BIC per row"
     chosen = min(scores, key=scores.get)
     base = tm if chosen == "t-mixture" else gm

@@ -1,6 +1,5 @@
-"""The bases that know the data: a product of Student-t marginals, and Gaussian
-and Student-t mixtures (full or diagonal covariance), each with an exact log-density
-and sampling; their parameters are stored unconstrained (see `_distributions.py`)."""
+"""Bases fitted to the data: a product of Student-t marginals, and Gaussian and
+Student-t mixtures, with parameters stored unconstrained."""
 
 import abc
 import math
@@ -32,12 +31,8 @@ _MIXTURE_DF = 30.0
 
 class StudentT(AbstractBase):
     """A product of independent Student-t distributions, one per coordinate, each
-    with its own location, scale and degrees of freedom (all learnable).
-
-    Its tails fall off like `|z|^-(df + 1)`: with few degrees of freedom (1.5 to 5,
-    as in daily returns) far heavier than a Gaussian's, which a flow's Lipschitz map
-    cannot create from a normal base. The degrees of freedom are kept positive as
-    `softplus(raw)`.
+    with its own learnable location, scale and degrees of freedom: tails a flow's
+    Lipschitz map cannot create from a normal base.
 
     **Arguments:**
 
@@ -97,14 +92,12 @@ class StudentT(AbstractBase):
 
     @property
     def scale(self) -> Float[Array, " d"]:
-        """The scale per dimension (stored as its logarithm, so it stays positive
-        under training)."""
+        """The scale per dimension (stored as its logarithm)."""
         return jnp.exp(self.log_scale)
 
     @property
     def df(self) -> Float[Array, " d"]:
-        """The degrees of freedom per dimension: `softplus(df_raw)`, positive under
-        training."""
+        """The degrees of freedom per dimension, `softplus(df_raw)`."""
         return jax.nn.softplus(self.df_raw)
 
     def _log_prob(self, z):
@@ -135,10 +128,8 @@ class StudentT(AbstractBase):
 
 
 class _AbstractMixture(AbstractBase):
-    """A mixture of `k` components over vectors, each with a mean and a scale matrix
-    (a Cholesky factor, full or diagonal): what the Gaussian and the Student-t
-    mixtures share. Subclasses give one component's log-density from the squared
-    Mahalanobis distance and draw a component's radial scale."""
+    """A mixture of `k` components, each with a mean and a Cholesky scale factor;
+    subclasses give a component's log-density and radial scale."""
 
     logits: Float[Array, " k"]
     means: Float[Array, "k d"]
@@ -262,13 +253,9 @@ class _AbstractMixture(AbstractBase):
 
 class GaussianMixture(_AbstractMixture):
     """A mixture of `k` Gaussians over vectors of size `d`, with full or diagonal
-    covariances; weights, means and covariances all learnable.
-
-    Build one from its parameters, from a fitted scikit-learn
-    `sklearn.mixture.GaussianMixture`
-    ([`from_sklearn`][cnftrace.GaussianMixture.from_sklearn]), or let
-    [`fit_base`][cnftrace.fit_base] fit it to training rows (BIC over the number of
-    components).
+    covariances, all learnable. See also
+    [`from_sklearn`][cnftrace.GaussianMixture.from_sklearn] and
+    [`fit_base`][cnftrace.fit_base].
 
     **Arguments:**
 
@@ -337,10 +324,8 @@ class GaussianMixture(_AbstractMixture):
 
 class StudentTMixture(_AbstractMixture):
     """A mixture of `k` multivariate Student-t distributions over vectors of size
-    `d`: each component has a weight, a location, a scale matrix (full or diagonal)
-    and its own degrees of freedom `df` (kept positive as `softplus(raw)`), all
-    learnable. With many degrees of freedom a component is its Gaussian; with few,
-    its tails fall off like `r^-(df + d)`.
+    `d`, each with a learnable weight, location, scale matrix and degrees of
+    freedom `df`.
 
     **Arguments:**
 
@@ -381,9 +366,8 @@ class StudentTMixture(_AbstractMixture):
     def from_gaussian(
         mixture: GaussianMixture, df=_MIXTURE_DF, *, trainable: bool | None = None
     ) -> "StudentTMixture":
-        """The Student-t mixture with `mixture`'s weights, means and covariances as
-        its scale matrices, and `df` degrees of freedom (a start for fitting tails to
-        a Gaussian mixture's fit)."""
+        """The Student-t mixture with `mixture`'s parameters (covariances as scale
+        matrices) and `df` degrees of freedom."""
         if not isinstance(mixture, GaussianMixture):
             raise TypeError(
                 f"`mixture` must be a cnftrace.GaussianMixture; got "
@@ -406,8 +390,7 @@ class StudentTMixture(_AbstractMixture):
 
     @property
     def df(self) -> Float[Array, " k"]:
-        """The degrees of freedom per component: `softplus(df_raw)`, positive under
-        training."""
+        """The degrees of freedom per component, `softplus(df_raw)`."""
         return jax.nn.softplus(self.df_raw)
 
     def _component(self, r2, d):

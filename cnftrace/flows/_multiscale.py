@@ -1,8 +1,5 @@
-"""FFJORD's multiscale image model (its "ODENVP", after RealNVP's multiscale design).
-
-The latent of an image is all factored-out parts and the last scale's output,
-flattened and concatenated in that order and reshaped to `(C, H, W)`: the flow keeps
-the data's shape, and its base is a distribution over that shape."""
+"""FFJORD's multiscale image model ("ODENVP"). The latent is the factored-out
+parts and the last scale's output, concatenated and reshaped to the data's shape."""
 
 from collections.abc import Callable, Sequence
 
@@ -26,19 +23,10 @@ from ._distributions import AbstractBase, check_base
 
 
 def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"]:
-    """Space to depth by 2: each 2x2 patch of a channel becomes 4 channels.
-
-    Channel `4c + 2i + j` of the output holds pixel `(2y + i, 2x + j)` of input
-    channel `c` at position `(y, x)`. A permutation of the entries, so its
-    log-determinant is 0; [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
-
-    **Arguments:**
-
-    - `x`: an image `(c, h, w)` or a batch of them, with `h` and `w` even.
-
-    **Returns:**
-
-    The squeezed image(s), shape `(*batch, 4c, h/2, w/2)`.
+    """Space to depth by 2 of an image `x` `(c, h, w)` (or a batch), `h` and `w`
+    even: channel `4c + 2i + j` of the output, shape `(*batch, 4c, h/2, w/2)`,
+    holds pixel `(2y + i, 2x + j)` of channel `c`. A permutation (log-determinant
+    0); [`unsqueeze`][cnftrace.unsqueeze] is its inverse.
 
     !!! example
 
@@ -61,15 +49,8 @@ def squeeze(x: Float[Array, "*batch c h w"]) -> Float[Array, "*batch 4c h/2 w/2"
 
 
 def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"]:
-    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze].
-
-    **Arguments:**
-
-    - `x`: an image `(c4, h, w)` or a batch of them, with `c4` a multiple of 4.
-
-    **Returns:**
-
-    The unsqueezed image(s), shape `(*batch, c4/4, 2h, 2w)`.
+    """Depth to space by 2, the inverse of [`squeeze`][cnftrace.squeeze]: an image
+    `(c4, h, w)` (or a batch), `c4` a multiple of 4, to `(*batch, c4/4, 2h, 2w)`.
 
     !!! example
 
@@ -89,18 +70,9 @@ def unsqueeze(x: Float[Array, "*batch c4 h w"]) -> Float[Array, "*batch c 2h 2w"
 
 
 def default_n_scales(shape: tuple[int, int, int]) -> int:
-    """FFJORD's number of scales for an image shape: one more scale for every
-    halving of an even height and width that leaves both at least 4 (3 for 28x28
-    MNIST, 2 for 8x8 digits, 4 for 32x32 CIFAR-10).
-
-    **Arguments:**
-
-    - `shape`: the image shape `(C, H, W)`.
-
-    **Returns:**
-
-    The number of scales, what [`MultiscaleFlow`][cnftrace.MultiscaleFlow] uses when
-    `n_scales=None`.
+    """FFJORD's number of scales for an image shape `(C, H, W)`, as
+    [`MultiscaleFlow`][cnftrace.MultiscaleFlow] uses for `n_scales=None`: one more
+    for every halving of an even height and width that leaves both at least 4.
 
     !!! example
 
@@ -119,14 +91,8 @@ class MultiscaleFlow(AbstractFlow):
     """FFJORD's multiscale CNF for images (`ODENVP`): stacks of conv CNF blocks per
     scale, squeezes, and half the channels factored out at every scale but the last.
 
-    Scale `i` acts on images of shape `(C 2^i, H / 2^i, W / 2^i)`: `blocks_per_scale`
-    blocks, then (except at the last scale) a squeeze to `(4 C 2^i, H / 2^(i+1),
-    W / 2^(i+1))`, `blocks_per_scale` more blocks, and a factor-out of the last half
-    of the channels. The latent has the data's shape, so
-    `log_prob`, `sample`, `forward` and `inverse` are those of every cnftrace flow.
-
-    Data is usually dequantised and logit-transformed first (see
-    `cnftrace.datasets.logit_transform`); this flow models the result.
+    The latent has the data's shape. Data is usually dequantised and
+    logit-transformed first (`cnftrace.datasets.logit_transform`).
 
     **Arguments:**
 
@@ -134,13 +100,11 @@ class MultiscaleFlow(AbstractFlow):
         `2 ** (n_scales - 1)`.
     - `n_scales`: the number of scales; `None` (default) picks FFJORD's number,
         [`default_n_scales`][cnftrace.default_n_scales].
-    - `blocks_per_scale`: CNF blocks in each stack (FFJORD's `num_blocks`, 2).
-    - `hidden`: the hidden channels of each block's [`ConvField`][cnftrace.ConvField]
-        (FFJORD: `(64, 64, 64)`).
+    - `blocks_per_scale`: CNF blocks in each stack.
+    - `hidden`: the hidden channels of each block's [`ConvField`][cnftrace.ConvField].
     - `activation`: the fields' activation, softplus by default.
     - `zero_last`: start every field at zero output (the identity flow).
-    - `t1`, `learn_t1`: each block's end time, and whether it is trained (FFJORD's
-        `train_T`).
+    - `t1`, `learn_t1`: each block's end time, and whether it is trained.
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`: each block's
         solver settings, as for [`CNF`][cnftrace.CNF].
     - `base`: the base distribution over the latent of shape `shape`
@@ -258,8 +222,7 @@ class MultiscaleFlow(AbstractFlow):
         return len(self.scales)
 
     def chains(self) -> tuple[Chain, ...]:
-        """The stacks of blocks in the order data passes them: scale 0, its squeezed
-        stack, scale 1, ..., the last scale."""
+        """The stacks of blocks in the order data passes them."""
         out = []
         for i, chain in enumerate(self.scales):
             out.append(chain)
@@ -287,8 +250,7 @@ class MultiscaleFlow(AbstractFlow):
         return eqx.tree_at(lambda f: f.base, self, check_base(base, self.shape))
 
     def _factored_shapes(self) -> list[tuple[int, int, int]]:
-        """The shapes of the parts packed into the latent: each scale's factored-out
-        half, then the last scale's output."""
+        """The shapes of the parts packed into the latent, in order."""
         c, h, w = self.shape
         parts = []
         for i in range(self.n_scales - 1):

@@ -43,10 +43,8 @@ DEFAULT_DIFFUSION_EPS = 1e-5
 
 
 class _Drift(eqx.Module):
-    """The probability-flow ODE as a [`CNF`][cnftrace.CNF]'s vector field
-    `f(tau, x, args)`, on the CNF's time `tau`: the model's time is
-    `t = data_time + direction * tau`, so the CNF always runs from the data end
-    (`tau = eps`) to the noise end."""
+    """The probability-flow ODE as a CNF vector field on `tau`, with model time
+    `t = data_time + direction * tau`: it runs from the data end to the noise end."""
 
     model: object
     kind: str = eqx.field(static=True)
@@ -96,44 +94,26 @@ class ProbabilityFlow(AbstractFlow):
     elsewhere, as a flow: its exact likelihood (`log_prob`), samples, and bits per
     dimension of discrete data, through any trace estimator.
 
-    The model is any JAX callable `model(t, x)` on *one* sample `x` (shape `dim`)
-    and a scalar time `t` of `x`'s dtype, returning an array of `x`'s shape: an
-    equinox Module or a plain function; a flax model as
-    `jax.tree_util.Partial(lambda params, t, x: net.apply(params, t, x), params)`
-    (so that its parameters are leaves); a model written for batches as
-    `lambda t, x: net(t[None], x[None])[0]`; a model fed another time (DDPM's step
-    index, a VE model's noise level) as `lambda t, x: net(1000 * t, x)`.
-
     Its one block is a [`CNF`][cnftrace.CNF] over the `prior`; `log_prob(x)` is
     `log p_eps(x)`, the marginal's density at the truncated data end.
 
     **Arguments:**
 
-    - `model`: the model, as above.
+    - `model`: a JAX callable `model(t, x)` on *one* sample `x` and a scalar time
+        `t` of `x`'s dtype, returning an array of `x`'s shape (wrap batched, flax
+        or rescaled-time models in a lambda; see docs/likelihoods.md).
     - `dim`: the size of one sample, or its shape (a tuple, for images).
-    - `kind`: what the model predicts:
-        - `"velocity"`: `dx/dt = v(t, x)` of flow matching, rectified flow, OT-CFM
-          or a stochastic interpolant, with data at `data_time` and noise at
-          `noise_time` (0 and 1 by default; facebookresearch/flow_matching and
-          torchcfm put data at 1). No schedule.
-        - `"score"`: `grad_x log p_t(x)`, with its `schedule` (data at `t = 0`);
-          `dx/dt = f x - g^2 s / 2`.
-        - `"noise"`: the noise `eps` of `x_t = alpha x_0 + sigma eps` (score
-          `-eps / sigma`), with its `schedule`.
-        - `"data"`: the clean data `x_0` (DDPM's x-prediction), with its `schedule`.
+    - `kind`: what the model predicts, `"velocity"`, `"score"`, `"noise"` or
+        `"data"` (the table in docs/likelihoods.md gives each one's ODE).
     - `schedule`: for score, noise and data models, their
-        [`AbstractSchedule`][cnftrace.AbstractSchedule]; the ODE runs over
-        `[eps, schedule.t_end]`. `sigma` must stay positive there, and for score
-        and noise models `alpha` too (checked on a grid of 1025 times).
-    - `data_time`, `noise_time`: a velocity model's times of the data and of the
-        noise.
+        [`AbstractSchedule`][cnftrace.AbstractSchedule] (data at `t = 0`); the ODE
+        runs over `[eps, schedule.t_end]`, where `sigma` (and for score and noise
+        models `alpha`) must stay positive.
+    - `data_time`, `noise_time`: a velocity model's data and noise times (0, 1).
     - `eps`: the truncation at the data end, where the ODE starts: `1e-5` by default
-        for score, noise and data models (score_sde's), `0` for velocity models.
-        In `(0, T)` for diffusion models, `[0, T)` for velocity models.
-    - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; the
-        standard normal, or [`Normal`][cnftrace.Normal]`(dim,
-        scale=schedule.prior_scale())` for a schedule whose prior scale is not 1
-        (VE's `N(0, sigma_max^2 I)`; see docs/likelihoods.md).
+        for diffusion models, in `(0, T)`; `0` for velocity models, in `[0, T)`.
+    - `prior`: the [`AbstractBase`][cnftrace.AbstractBase] at the noise end; by
+        default normal with the schedule's `prior_scale()`.
     - `solver`, `rtol`, `atol`, `adjoint`, `estimator`, `max_steps`, `dt0`,
         `pcoeff`, `icoeff`: the solve's settings, as for [`CNF`][cnftrace.CNF].
 
@@ -251,12 +231,9 @@ class ProbabilityFlow(AbstractFlow):
 
     @staticmethod
     def from_flow(flow: CNF) -> "ProbabilityFlow":
-        """The velocity `ProbabilityFlow` of a cnftrace [`CNF`][cnftrace.CNF] (one
-        trained by flow matching, say): its vector field, data at `flow.t0`, noise at
-        `flow.t1`, no truncation, its base as the prior and its solver settings.
-        Its `log_prob` equals `flow.log_prob`; it adds
-        [`bits_per_dim`][cnftrace.ProbabilityFlow.bits_per_dim] and
-        [`log_prob_estimate`][cnftrace.ProbabilityFlow.log_prob_estimate].
+        """The velocity `ProbabilityFlow` of an unconditional [`CNF`][cnftrace.CNF]
+        (data at `flow.t0`, noise at `flow.t1`, its base and solver settings); its
+        `log_prob` equals `flow.log_prob`. Raises `TypeError` for a non-CNF.
 
         !!! example
 
@@ -305,14 +282,12 @@ class ProbabilityFlow(AbstractFlow):
 
     @property
     def kind(self) -> str:
-        """What the model predicts: `"velocity"`, `"score"`, `"noise"` or
-        `"data"`."""
+        """What the model predicts (`"velocity"`, `"score"`, `"noise"`, `"data"`)."""
         return self.cnf.vector_field.kind
 
     @property
     def schedule(self) -> AbstractSchedule | None:
-        """The schedule of a score, noise or data model (`None` for a velocity
-        model)."""
+        """The schedule of a score, noise or data model (`None` for velocity)."""
         return self.cnf.vector_field.schedule
 
     @property
@@ -322,8 +297,7 @@ class ProbabilityFlow(AbstractFlow):
 
     @property
     def blocks(self) -> tuple[CNF]:
-        """`(cnf,)`: the one CNF block that solves the probability-flow ODE, on the
-        time `tau` from `eps` to the interval's length."""
+        """`(cnf,)`: the one CNF block that solves the probability-flow ODE."""
         return (self.cnf,)
 
     @property
@@ -383,19 +357,16 @@ class ProbabilityFlow(AbstractFlow):
         repeats: int = 1,
     ) -> LikelihoodEstimate:
         """`log_prob` of a batch with the Monte Carlo standard error of a stochastic
-        trace estimator: `repeats` independent estimates per sample (fresh probes
-        each, all in one solve), averaged.
+        trace estimator: `repeats` estimates per sample, averaged.
 
         **Arguments:**
 
         - `x`: a batch of shape `(n, *event_shape)`.
         - `key`: a PRNG key, required for a stochastic estimator.
         - `repeats`: independent estimates per sample; at least 2 for a standard
-            error of a stochastic estimator. The exact trace needs 1.
+            error of a stochastic estimator.
 
-        **Returns:**
-
-        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
+        Returns a [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in nats.
         """
         x, stochastic = self._batch_and_repeats(x, repeats, key, dequantize=False)
         logp, stats = self._solve_tiled(_tile(x, repeats), key)
@@ -425,31 +396,22 @@ class ProbabilityFlow(AbstractFlow):
         $$\log P(\text{bin}) \ge \mathbb{E}_u \log p_y(y) + D \log(a\,\Delta),$$
 
         and each draw of `u` gives $-(\log p_y(y) + D\log(a\Delta)) / (D \log 2)$ bits
-        per dimension. For 8-bit integers on a model of `[-1, 1]`: score_sde's
-        `(x + u) / 256 * 2 - 1` is `bin_width=1, data_range=(0, 256),
-        model_range=(-1, 1)`; DDPM's `x / 127.5 - 1` is `bin_width=1,
-        data_range=(0, 255), model_range=(-1, 1)`.
+        per dimension. docs/likelihoods.md gives the arguments for common scalings.
 
         **Arguments:**
 
         - `x`: the discrete data, shape `(n, *event_shape)`, in the data's own units.
         - `bin_width`: the spacing `Delta` of the data's values; required.
-        - `data_range`: `(d_lo, d_hi)`, which every `x` must lie in (a check that the
-            data are in their own units); without it, `a = 1`.
+        - `data_range`: `(d_lo, d_hi)`, which every `x` must lie in; without it,
+            `a = 1`.
         - `model_range`: where `data_range`'s ends land in the model's units;
             `data_range` itself if omitted.
-        - `key`: a PRNG key for the dequantisation noise (drawn from
-            `jax.random.split(key)[0]`, so estimators given one key see the same
-            points) and a stochastic estimator's probes.
+        - `key`: a PRNG key for the dequantisation noise and the probes.
         - `repeats`: independent draws of `u` (and probes) per sample, averaged; at
             least 2 for a standard error.
-        - `dequantize`: `False` when `x` are already dequantised; then no noise is
-            drawn.
+        - `dequantize`: `False` when `x` are already dequantised.
 
-        **Returns:**
-
-        A [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits per
-        dimension: `values` per sample, `mean` the data set's figure.
+        Returns a [`LikelihoodEstimate`][cnftrace.LikelihoodEstimate] in bits/dim.
 
         !!! example
 
@@ -491,8 +453,7 @@ class ProbabilityFlow(AbstractFlow):
     # ------------------------------------------------------------------ helpers
 
     def _batch_and_repeats(self, x, repeats, key, dequantize):
-        """`x` checked as a batch, and whether its estimates are random; with the
-        checks of `repeats` and `key`."""
+        """`x` checked as a batch, and whether its estimates are random."""
         check_int("repeats", repeats)
         x, unbatched = validate_input(x, self.event_shape, "x")
         if unbatched:

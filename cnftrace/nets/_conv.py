@@ -14,16 +14,14 @@ from .._custom_types import Key
 
 
 class ConcatConv2d(eqx.Module):
-    """A 3x3 convolution (padding 1, so the size is kept) of `x` with the time `t`
-    appended as an extra constant input channel: FFJORD's `ConcatConv2d`. Acts on one
-    sample of shape `(channels, h, w)`, called as `layer(t, x)`.
+    """FFJORD's `ConcatConv2d`: a size-keeping convolution of one sample `x`
+    `(channels, h, w)` with the time as an extra input channel; `layer(t, x)`.
 
     **Arguments:**
 
     - `in_channels`, `out_channels`: the channels of the input and the output.
-    - `kernel_size`: an odd kernel size (3 by default); the padding keeps the size.
-    - `key`: PRNG key for the initialisation.
-    - `dtype`: parameter dtype (JAX's default float if omitted).
+    - `kernel_size`: an odd kernel size (3 by default).
+    - `key`, `dtype`: PRNG key for the initialisation, parameter dtype.
 
     !!! example
 
@@ -60,20 +58,17 @@ class ConcatConv2d(eqx.Module):
 
 
 class ConvField(eqx.Module):
-    """FFJORD's conv vector field for images: [`ConcatConv2d`][cnftrace.ConcatConv2d]
-    layers `channels -> hidden[0] -> ... -> hidden[-1] -> channels` with an activation
-    between layers. Callable as a diffrax vector field `f(t, y, args)` on one image
-    `y` of shape `(channels, h, w)`; any `h, w` work (the convs keep the size).
+    """FFJORD's conv vector field: [`ConcatConv2d`][cnftrace.ConcatConv2d] layers
+    `channels -> *hidden -> channels`, called as `f(t, y, args)` on one image `y`
+    `(channels, h, w)` of any size.
 
     **Arguments:**
 
     - `channels`: the channels of the image (input and output).
-    - `hidden`: the hidden channels, one conv layer each; FFJORD used `(64, 64, 64)`.
-    - `activation`: applied between layers; softplus by default (FFJORD's choice
-        for images). Anything smooth: the divergence differentiates it.
-    - `zero_last`: initialise the last layer to output zero, so that the flow
-        starts at the identity map. Off by default, as in FFJORD.
-    - `key`: PRNG key for the initialisation (PyTorch's default for convs).
+    - `hidden`: the hidden channels, one conv layer each.
+    - `activation`: a smooth activation between layers; softplus by default.
+    - `zero_last`: start at zero output (the identity flow).
+    - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 
     !!! example

@@ -1,7 +1,6 @@
 """An E(n)-equivariant graph network as a vector field for particle systems
-(Satorras, Hoogeboom and Welling, ICML 2021; as a CNF's dynamics, Garcia Satorras et
-al., NeurIPS 2021). Each particle carries features `h_i` (here only the time) and a
-position `x_i`; a layer passes messages over every pair,
+(Satorras, Hoogeboom and Welling, 2021). Each particle carries features `h_i` (the
+time) and a position `x_i`; a layer passes messages over every pair,
 
     m_ij = phi_e(h_i, h_j, |x_i - x_j|^2),
     x_i <- x_i + mean_{j != i} (x_i - x_j) / (|x_i - x_j| + 1) * phi_x(m_ij),
@@ -98,29 +97,22 @@ class _EGNNLayer(eqx.Module):
 
 
 class EGNNField(eqx.Module):
-    """An E(n)- and permutation-equivariant vector field for `n_particles` identical
-    particles in `spatial_dim` dimensions (an EGNN, Satorras et al. 2021), with the
-    time as every particle's input feature. Callable as a diffrax vector field
-    `f(t, y, args)` on one sample `y` of shape `(n_particles, spatial_dim)`.
+    """An E(n)- and permutation-equivariant vector field (an EGNN) for `n_particles`
+    identical particles in `spatial_dim` dimensions, called as `f(t, y, args)` on
+    one sample `y` of shape `(n_particles, spatial_dim)`.
 
-    For every rotation or reflection `R`, translation `a` and permutation `P` of the
-    particles, `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)`, and its
-    output has zero mean over the particles: over a
-    [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the flow's density is invariant
-    to all of them.
+    `f(t, R y + a) = R f(t, y)` and `f(t, P y) = P f(t, y)` for rotations,
+    reflections, translations and permutations, with zero mean over the particles:
+    over a [`MeanFreeNormal`][cnftrace.MeanFreeNormal] base the density is invariant.
 
     **Arguments:**
 
     - `n_particles`, `spatial_dim`: the shape of one sample.
-    - `width`: the size of the particles' features and of the networks' hidden
-        layers (32 in E-NF's DW4 and LJ13 experiments).
-    - `depth`: the number of message-passing layers (3 in E-NF).
-    - `activation`: SiLU by default; anything smooth (the divergence
-        differentiates it).
-    - `freqs`: the time features are `t`, `cos(k pi t)` and `sin(k pi t)` for
-        `k = 1..freqs`.
-    - `coord_scale`: the initial scale of the coordinate networks' last layer; the
-        small default starts the flow near the identity map.
+    - `width`: the size of the features and of the networks' hidden layers.
+    - `depth`: the number of message-passing layers.
+    - `activation`: a smooth activation; SiLU by default.
+    - `freqs`: the number of time frequencies.
+    - `coord_scale`: the initial scale of the coordinate networks' last layer.
     - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 

@@ -15,19 +15,14 @@ from .._defaults import CONCATSQUASH_WIDTH, DEPTH, FREQS, default_width
 
 
 def _linear(layer: eqx.nn.Linear, x: Array) -> Array:
-    """`layer(x)` for a vector `x`, written `x @ W.T + b`: under `vmap` (a batch, or
-    the basis of an exact trace) the mapped axes then stay in front of the features,
-    where `W @ x` puts them behind, and XLA transposes activations and tangents to
-    match the elementwise operations that follow, which made a training step
-    slower."""
+    """`layer(x)` written `x @ W.T + b` so that vmapped axes stay in front: `W @ x`
+    made XLA transpose activations and tangents, and slowed a training step."""
     out = x @ layer.weight.T
     return out if layer.bias is None else out + layer.bias
 
 
 def _mlp(mlp: eqx.nn.MLP, x: Array) -> Array:
-    """`mlp(x)` for a vector `x`, through `_linear`: the same function as
-    equinox's own call (each activation applied to every unit), with the layers
-    written so that mapped axes stay in front."""
+    """`mlp(x)` for a vector `x`, as equinox's own call, through `_linear`."""
     for layer in mlp.layers[:-1]:
         x = jax.vmap(mlp.activation)(_linear(layer, x))
     return jax.vmap(mlp.final_activation)(_linear(mlp.layers[-1], x))
@@ -46,8 +41,7 @@ class ConcatSquashLinear(eqx.Module):
 
     - `in_size`, `out_size`: the sizes of `x` and of the output.
     - `context_dim`: the size of the context vector; 0 (default) for none.
-    - `key`: PRNG key for the initialisation (PyTorch's defaults, as in FFJORD).
-    - `dtype`: parameter dtype (JAX's default float if omitted).
+    - `key`, `dtype`: PRNG key for the initialisation, parameter dtype.
 
     !!! example
 
@@ -112,16 +106,11 @@ class ConcatSquashMLP(eqx.Module):
     **Arguments:**
 
     - `dim`: the data dimension.
-    - `width`: hidden width (64 in FFJORD's toy experiments).
-    - `depth`: number of hidden layers (3 gives `dim -> 64 -> 64 -> 64 -> dim`).
-    - `activation`: applied between layers; `jax.nn.tanh` by default. Anything
-        smooth: the divergence differentiates it.
-    - `zero_last`: initialise the last layer to output zero, so the flow starts at the
-        identity map.
-    - `context_dim`: for a conditional flow, the size of the context vector, which
-        the field then takes as its `args` (`f(t, y, context)`) and feeds to every
-        layer's gate and shift. Use the same `context_dim` for the
-        [`CNF`][cnftrace.CNF].
+    - `width`, `depth`: hidden width and number of hidden layers.
+    - `activation`: a smooth activation between layers; `jax.nn.tanh` by default.
+    - `zero_last`: start at zero output (the identity flow).
+    - `context_dim`: for a conditional flow, the context's size, taken as `args`
+        and fed to every gate and shift; the same as the [`CNF`][cnftrace.CNF]'s.
     - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 
@@ -197,10 +186,9 @@ class MLPField(eqx.Module):
     """A plain MLP vector field fed the state, sinusoidal features of time and the
     context: `f(t, y) = MLP([y, cos(k pi t), sin(k pi t) for k = 1..freqs, context])`.
 
-    cnftrace's default vector field: time enters only at the input, rather than
-    gating every layer as FFJORD's [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP]
-    does, which learns more per step (see the docs' quality page). Callable as a
-    diffrax vector field `f(t, y, args)` on one sample `y` of shape `(dim,)`.
+    cnftrace's default vector field (compared with
+    [`ConcatSquashMLP`][cnftrace.ConcatSquashMLP] on the docs' quality page).
+    Callable as a diffrax vector field `f(t, y, args)` on one sample `y`.
 
     **Arguments:**
 
@@ -208,17 +196,12 @@ class MLPField(eqx.Module):
     - `width`: hidden width; by default it follows `dim`
         ([`default_recipe`][cnftrace.default_recipe]).
     - `depth`: number of hidden layers.
-    - `activation`: applied after every hidden layer; SiLU by default. Anything
-        smooth, since the divergence differentiates it.
-    - `freqs`: the number of time frequencies `k = 1..freqs` (0 for none: an
-        autonomous field).
-    - `context_dim`: for a conditional flow, the size of the context vector, which
-        the field then takes as its `args` (`f(t, y, context)`) and reads as extra
-        inputs. Use the same `context_dim` for the [`CNF`][cnftrace.CNF].
-    - `zero_last`: initialise the output layer to zero, so the flow starts at the
-        identity map.
-    - `key`: PRNG key for the initialisation (uniform in `±1/sqrt(fan_in)`, as
-        PyTorch's `Linear`).
+    - `activation`: a smooth activation after every hidden layer; SiLU by default.
+    - `freqs`: the number of time frequencies (0: an autonomous field).
+    - `context_dim`: for a conditional flow, the context's size, taken as `args`
+        and read as extra inputs; the same as the [`CNF`][cnftrace.CNF]'s.
+    - `zero_last`: start at zero output (the identity flow).
+    - `key`: PRNG key for the initialisation.
     - `dtype`: parameter dtype (JAX's default float if omitted).
 
     !!! example

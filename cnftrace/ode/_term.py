@@ -14,12 +14,9 @@ from ..estimators import AbstractEstimator, Exact
 
 
 class CNFArgs(eqx.Module):
-    """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`: the user's own
-    `args` for the vector field, and the probes drawn for this solve.
-
-    Build it with [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args], whose
-    arguments are its fields, with `probes` the probes drawn for this solve, shape
-    `(*batch, num_probes, *event)`, or `None` for deterministic estimators.
+    """What [`CNFTerm`][cnftrace.CNFTerm] expects as the solve's `args`, built by
+    [`CNFTerm.make_args`][cnftrace.CNFTerm.make_args]: the vector field's `args` and
+    the probes, shape `(*batch, num_probes, *event)` (`None` if deterministic).
 
     !!! example
 
@@ -37,15 +34,9 @@ class CNFArgs(eqx.Module):
 
 
 def _count_vjps(fn: Callable, counter: Array, *inputs):
-    """`fn(*inputs)`, whose reverse-mode derivative adds exactly 1 to the cotangent of
-    `counter` each time it is backpropagated through, and is otherwise `fn`'s own.
-
-    The gradient of a loss with respect to `counter` is then the number of
-    evaluations of `fn` that reverse mode went through: for discrete adjoints
-    (`RecursiveCheckpointAdjoint`, `DirectAdjoint`) the backward pass's vector-field
-    VJPs. (`BacksolveAdjoint` integrates cotangents instead of summing them, so there
-    the gradient is not a count.)
-    """
+    """`fn(*inputs)`, whose VJP adds 1 to `counter`'s cotangent per pass: the
+    gradient counts the backward evaluations of a discrete adjoint (not of
+    `BacksolveAdjoint`, which integrates cotangents)."""
     diff, static = eqx.partition(inputs, eqx.is_array)
 
     @jax.custom_vjp
@@ -67,8 +58,7 @@ def _count_vjps(fn: Callable, counter: Array, *inputs):
 
 
 def checked_output(dz, z):
-    """The vector field's output `dz` for one sample `z`, checked (when traced, at no
-    run-time cost): an array of `z`'s shape and a floating dtype."""
+    """The vector field's output `dz` for one sample `z`, checked at trace time."""
     shape = getattr(dz, "shape", None)
     if shape is None or not hasattr(dz, "dtype"):
         raise TypeError(
@@ -104,23 +94,16 @@ class CNFTerm(ODETerm):
     $$\frac{dz}{dt} = f(t, z, \text{args}),\qquad
     \frac{d\,\delta\log p}{dt} = -\operatorname{tr}\frac{\partial f}{\partial z},$$
 
-    applied to every sample of the batch, with the trace from `estimator`. So
-    `delta_logp(t1) = log p_t1(z(t1)) - log p_t0(z(t0))`.
-
-    With `regularize=True` the state gains RNODE's two integrals (Finlay et al. 2020),
-    `(z, delta_logp, kinetic, jacobian)`, each of shape `(*batch,)`:
+    per sample, with the trace from `estimator`, so `delta_logp(t1) = log p_t1(z(t1))
+    - log p_t0(z(t0))`. With `regularize=True` the state
+    gains RNODE's two integrals, `(z, delta_logp, kinetic, jacobian)`:
 
     $$\frac{d\,\text{kinetic}}{dt} = \lVert f \rVert^2,\qquad
     \frac{d\,\text{jacobian}}{dt} = \lVert \partial f/\partial z \rVert_F^2,$$
 
-    the Frobenius norm estimated from the *same* probes and Jacobian-vector products
-    as the divergence, so they cost no extra evaluations of `f`. Leave them out of
-    the step-size control (`norm=lambda y: cnftrace.max_rms_norm(y[:2])`).
-
-    Probes are part of the solve's `args` (see
-    [`make_args`][cnftrace.CNFTerm.make_args]): drawn once per solve and reused at
-    every evaluation, so the ODE stays deterministic. The term is a
-    `diffrax.ODETerm` and works with any diffrax solver, controller and adjoint.
+    from the same probes as the divergence; leave them out of the step-size control
+    (`norm=lambda y: cnftrace.max_rms_norm(y[:2])`). Probes are drawn once per solve
+    ([`make_args`][cnftrace.CNFTerm.make_args]).
 
     !!! example
 
@@ -144,11 +127,9 @@ class CNFTerm(ODETerm):
 
     **Arguments:**
 
-    - `vector_field`: `f(t, z, args)` for *one* sample `z` of shape `event`; returns an
-        array of the same shape.
+    - `vector_field`: `f(t, z, args)` for *one* sample `z`, returning `z`'s shape.
     - `estimator`: the trace estimator, [`Exact`][cnftrace.Exact] by default.
-    - `event_ndim`: how many trailing dimensions of `z` make one sample (1 for vectors
-        of shape `(d,)`, 3 for images of shape `(c, h, w)`).
+    - `event_ndim`: how many trailing dimensions of `z` make one sample.
     - `regularize`: also integrate the kinetic energy and the Jacobian's squared
         Frobenius norm.
     """
@@ -167,24 +148,18 @@ class CNFTerm(ODETerm):
         counter: Float[Array, ""] | None = None,
         context: Float[Array, "*batch context"] | None = None,
     ) -> CNFArgs:
-        """Draws this solve's probes for the initial state `z0` and bundles them
-        with the vector field's own `args`. Pass the result as `diffeqsolve`'s `args`.
+        """The [`CNFArgs`][cnftrace.CNFArgs] to pass as `diffeqsolve`'s `args`: this
+        solve's probes for `z0`, with the vector field's own `args`.
 
         **Arguments:**
 
         - `z0`: the initial state, shape `(*batch, *event)`.
         - `key`: a PRNG key; required by stochastic estimators.
         - `args`: the vector field's own `args`, the same for every sample.
-        - `counter`: optional, a float scalar (`jnp.zeros(())`) whose gradient
-            counts the times reverse mode backpropagates through the vector field
-            (the backward NFE of a discrete adjoint); it never changes the solution.
-        - `context`: optional, a per-sample conditioning array whose leading axes
-            are `z0`'s batch axes: each sample's vector field is then called as
-            `f(t, z_i, context_i)` (and `args` must be `None`).
-
-        **Returns:**
-
-        A [`CNFArgs`][cnftrace.CNFArgs].
+        - `counter`: optional float scalar whose gradient counts the backward
+            pass's vector-field evaluations.
+        - `context`: optional per-sample conditioning, leading axes `z0`'s batch
+            axes, passed as `f(t, z_i, context_i)` (`args` must be `None`).
         """
         probes = self.estimator.draw(
             key, z0.shape, z0.dtype, event_ndim=self.event_ndim
@@ -201,13 +176,8 @@ class CNFTerm(ODETerm):
         return CNFArgs(args=args, probes=probes, counter=counter, context=context)
 
     def initial_state(self, z0: Float[Array, "..."]) -> tuple[Float[Array, "..."], ...]:
-        """The augmented initial state for `z0` of shape `(*batch, *event)`.
-
-        **Returns:**
-
-        `(z0, zeros)`, or `(z0, zeros, zeros, zeros)` with `regularize`; the zeros
-        have shape `batch`.
-        """
+        """The augmented initial state for `z0`: `(z0, zeros)`, or
+        `(z0, zeros, zeros, zeros)` with `regularize`."""
         batch_shape = z0.shape[: z0.ndim - self.event_ndim]
         zeros = jnp.zeros(batch_shape, z0.dtype)
         return (z0, zeros, zeros, zeros) if self.regularize else (z0, zeros)
@@ -256,12 +226,8 @@ def _check_context(context, batch_shape: tuple[int, ...]) -> None:
 
 
 class StateTerm(ODETerm):
-    """The plain dynamics `dz/dt = f(t, z, args)` for a batch of samples, used where no
-    log-density is needed (sampling and the bare forward and inverse maps).
-
-    With `per_sample_args=True`, `args` has one entry per sample (a conditional flow's
-    context) and sample `i` gets `args[i]`.
-    """
+    """The plain dynamics `dz/dt = f(t, z, args)` for a batch, where no log-density
+    is needed; with `per_sample_args=True`, sample `i` gets `args[i]`."""
 
     vector_field: VectorField
     event_ndim: int = eqx.field(default=1, static=True)

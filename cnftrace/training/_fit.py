@@ -95,60 +95,48 @@ def fit(
     - `flow`: any cnftrace flow ([`CNF`][cnftrace.CNF], [`Chain`][cnftrace.Chain],
         [`MultiscaleFlow`][cnftrace.MultiscaleFlow]).
     - `data`: an array of training samples `(n, *event)`, drawn from with
-        replacement, or a function `(key, batch_size) -> batch` run inside the
-        compiled step: it must draw with `jax.random` from `key` (one whose batch
-        does not depend on `key`, such as a NumPy generator, one JAX cannot trace,
-        or one returning another number of samples is refused before training).
-        `None` for an objective that draws its own samples (`target=`).
-    - `key`: the PRNG key. Step `i` draws from `jax.random.fold_in(key, i)`, so a
-        resumed run draws exactly what an uninterrupted one would.
+        replacement, or a function `(key, batch_size) -> batch` that draws with
+        `jax.random` from `key` inside the compiled step; `None` with `target=`.
+    - `key`: the PRNG key; step `i` draws from `jax.random.fold_in(key, i)`.
     - `target`: train toward this unnormalised log-density `(n, *event) -> (n,)`
-        instead of data: `objective=`[`ReverseKL`][cnftrace.ReverseKL]`(target)`;
-        build a `ReverseKL` for its other settings. Give no `data` nor `objective`.
-    - `steps`: the total number of optimiser steps (a resumed run stops there too);
-        1000 by default. With `seconds`, a cap on the steps (`None`: none).
-    - `seconds`: a time budget (a positive finite number): train until this many
-        seconds of training (steps and their compilation, not validation nor
-        checkpoints) are spent, on
+        by [`ReverseKL`][cnftrace.ReverseKL]`(target)`; give no `data` nor
+        `objective`.
+    - `steps`: the total number of optimiser steps, 1000 by default; with
+        `seconds`, a cap (`None`: none).
+    - `seconds`: a time budget: train until this many seconds of steps (and their
+        compilation) are spent, on
         [`budget_cosine_adam`][cnftrace.budget_cosine_adam]`(3e-3)` unless an
-        `optimizer` is given. The seconds are stored in the checkpoints: a resumed
-        run goes on with those left.
+        `optimizer` is given; a resumed run goes on with those left.
     - `batch_size`: samples per step.
     - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`,
         the default), `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]),
-        or any [`AbstractObjective`][cnftrace.AbstractObjective]. The returned flow
-        keeps its own estimator (for evaluation).
+        or any [`AbstractObjective`][cnftrace.AbstractObjective].
     - `optimizer`: an optax optimiser; by default (without `seconds`)
         [`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`.
     - `context`: for a conditional flow with array data, one context row per
         sample (a generator returns `(batch, context)` pairs instead).
-    - `validation`: a [`Validation`][cnftrace.Validation], or just held-out samples.
-        The flow is also validated before the first step (step 0), and the
-        parameters with the best validation NLL are returned.
-    - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints], or just a directory
-        (`str` or `pathlib.Path`); one holding checkpoints of the same config is
-        resumed from.
-    - `mesh`: data-parallel training: a `jax.sharding.Mesh`
-        ([`data_mesh`][cnftrace.data_mesh]) or `"all"`; `batch_size` must be a
-        multiple of its devices. In a multi-process run every process calls `fit`
-        alike; process 0 writes checkpoints, shows progress and calls `on_log`.
-        `None`: one device. See the docs' scaling page.
-    - `max_failures`: a step with a non-finite loss or gradient is skipped and
-        counted; this many consecutive skips raise a `TrainingError`.
+    - `validation`: a [`Validation`][cnftrace.Validation], or held-out samples;
+        validated from step 0, and the best parameters are returned.
+    - `checkpoints`: a [`Checkpoints`][cnftrace.Checkpoints], or a directory,
+        resumed from where it holds checkpoints of the same config.
+    - `mesh`: data-parallel training over a `jax.sharding.Mesh`
+        ([`data_mesh`][cnftrace.data_mesh]) or `"all"`; `None`: one device. See the
+        docs' scaling page.
+    - `max_failures`: this many consecutive skipped steps (non-finite loss or
+        gradient) raise a `TrainingError`.
     - `progress`: show a progress bar.
     - `log_every`: record the history every this many steps.
-    - `on_log`: called with each history record (a dict) as it is logged; with
-        `validation`, the first is step 0's `{"step", "val_nll", "val_stderr"}`.
+    - `on_log`: called with each history record (a dict) as it is logged.
 
-    Failures (too many skipped steps, a failed ODE solve) raise a
-    [`TrainingError`][cnftrace.TrainingError] on the host, where it next syncs.
+    Raises [`TrainingError`][cnftrace.TrainingError] on too many skipped steps or a
+    failed ODE solve. Bad arguments (a `data` function that ignores `key` or that
+    JAX cannot trace) are refused before training.
 
     **Returns:**
 
-    `(flow, history)`: the trained flow and a dict of lists: `step`, `loss`, `nfe`,
-    `nfe_backward` (`-1` where not counted), `seconds`, `skipped`, the objective's
-    own metrics, with a budget `budget`, `budget_spent` and `lr`, and `val_step`,
-    `val_nll`, `val_stderr`.
+    `(flow, history)`: the trained flow and a dict of lists (`step`, `loss`, `nfe`,
+    `nfe_backward`, `seconds`, `skipped`, the objective's metrics, and the
+    budget's and validation's columns).
 
     !!! example
 
@@ -283,9 +271,8 @@ class _Loop:
         return jr.fold_in(self.key, 2**31 - 1)
 
     def _resume(self, state: TrainState, history_path: str):
-        """`(state, best parameters)` from the newest good checkpoint of the same
-        config, or `(state, None)` when there is none. The history file is cut back
-        to the checkpoint's step (emptied without one) and read into the history."""
+        """`(state, best parameters or None)` from the newest good checkpoint, with
+        the history file cut back to its step and read in."""
         params = _params(state.flow)
         like = (params, state.opt_state, key_to_data(self.key), params)
         like = jax.tree_util.tree_map(_local_copy, like)
@@ -347,11 +334,9 @@ class _Loop:
             record = self._validate(0, {"step": 0})
             if on_log is not None and self.main_process:
                 on_log(record)
-        # A step that is only logged is logged once the next one has been handed to
-        # the device (from its record and a copy of its counters: its state is given
-        # to the next step), so that the host's work (the next step's dispatch, this
-        # one's record) overlaps the device's. The first and the last step, and any
-        # step that is checkpointed or validated, are dealt with at once.
+        # A step only logged is logged after the next is dispatched (its state is
+        # donated to that step), so host and device work overlap. The first, last,
+        # checkpointed and validated steps are dealt with at once.
         pending = None
 
         def finish(
@@ -363,9 +348,7 @@ class _Loop:
             failures=max_failures,
             report=True,
         ):
-            """Step `done`: its record and counters fetched in one transfer, the
-            counters checked for failures, then the step logged, validated and
-            reported."""
+            """Step `done` fetched in one transfer, checked, logged and validated."""
             info, counters = jax.device_get((info, counters))
             raise_for_failures(counters, self.state.flow, failures)
             if not (log or validate):
@@ -487,9 +470,8 @@ class _Loop:
         return dict(record, val_nll=mean, val_stderr=stderr)
 
     def _improves(self, rows: np.ndarray) -> bool:
-        """Whether validation log-densities `rows` beat the best validation's by
-        more than `significance` standard errors of the paired difference (see
-        [`Validation`][cnftrace.Validation])."""
+        """Whether `rows` beat the best validation's by `significance` paired
+        standard errors ([`Validation`][cnftrace.Validation])."""
         if self.best_step is None:
             return True
         if self.best_rows is None:  # resumed: the best parameters evaluated again

@@ -43,9 +43,8 @@ def _committed(x):
 
 @eqx.filter_jit
 def _copy_and_init(params, optimizer: optax.GradientTransformation, init: bool):
-    """A strongly typed copy of `params` in buffers of its own (a weakly typed one
-    would make the second step compile again), and the optimiser's fresh state if
-    `init`, in one program."""
+    """A strongly typed copy of `params` (a weak type would make the second step
+    compile again), and the optimiser's fresh state if `init`."""
     strong = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=x.dtype), params)
     params = copy_arrays(strong)  # a copy, not the caller's buffers forwarded
     return params, optimizer.init(params) if init else None
@@ -58,16 +57,14 @@ class _ArraySampler(eqx.Module):
     context: Array | None
 
     def __call__(self, key, batch_size):
-        """`(batch, context or None, bad)`; `bad` is `False`: the samples were
-        checked up front."""
+        """`(batch, context or None, False)`: the samples were checked up front."""
         idx = jr.randint(key, (batch_size,), 0, self.data.shape[0])
         context = None if self.context is None else self.context[idx]
         return self.data[idx], context, jnp.asarray(False)
 
 
 class _NoData(eqx.Module):
-    """The batch of an objective that needs no data: zeros of shape
-    `(batch_size, 0)`, saying how many samples to draw and in which dtype."""
+    """Zeros of shape `(batch_size, 0)` for an objective that needs no data."""
 
     dtype: Any = eqx.field(static=True)
 
@@ -92,9 +89,8 @@ class _GeneratorSampler(eqx.Module):
 
 
 def _traced_generator(data: Callable, key, batch_size: int):
-    """`(shapes, depends)`: the shapes and dtypes of `data(key, batch_size)`, and
-    whether its batch depends on `key`, from its jaxpr; a `TypeError` where it
-    cannot be traced."""
+    """`(shapes, depends)` of `data(key, batch_size)` from its jaxpr; raises
+    `TypeError` where it cannot be traced."""
     try:
         jaxpr, shapes = jax.make_jaxpr(
             lambda key: data(key, batch_size), return_shape=True
@@ -122,10 +118,8 @@ class Trainer(eqx.Module):
 
     **Arguments:**
 
-    - `data`: training samples `(n, *event)` or a function `(key, batch_size) ->
-        batch` (`-> (batch, context)` for a conditional flow), as for
-        [`fit`][cnftrace.fit]; `None` for an objective that draws its own samples
-        (as [`ReverseKL`][cnftrace.ReverseKL] does).
+    - `data`: as for [`fit`][cnftrace.fit] (a generator returns `(batch, context)`
+        for a conditional flow); `None` for [`ReverseKL`][cnftrace.ReverseKL].
     - `key`: the run's PRNG key; step `i` draws from `jax.random.fold_in(key, i)`.
     - `objective`: an [`AbstractObjective`][cnftrace.AbstractObjective], or
         `"mle"`, `"fm"`, `"ot-fm"`.
@@ -134,9 +128,8 @@ class Trainer(eqx.Module):
     - `context`: with array data for a conditional flow, one context row per sample.
     - `mesh`: data-parallel training, as for [`fit`][cnftrace.fit].
 
-    A step skips (and counts) an update whose loss or gradient is not finite, and
-    freezes the state at a failed ODE solve; [`check`][cnftrace.Trainer.check]
-    raises for either on the host. Updates keep each parameter's dtype.
+    A step skips a non-finite update and freezes at a failed ODE solve;
+    [`check`][cnftrace.Trainer.check] raises for either on the host.
 
     !!! example
 
@@ -249,10 +242,8 @@ class Trainer(eqx.Module):
         check_context(context, flow.context_dim, n, broadcast=False, host=True)
 
     def init(self, flow: AbstractFlow, *, opt_state: PyTree = None) -> TrainState:
-        """The state before the first step: checks `flow` against the data and the
-        objective, and copies its parameters (so the caller's flow survives a
-        donating step). `opt_state`: the optimiser's state to start from; a fresh
-        one by default."""
+        """The state before the first step, with a copy of `flow`'s parameters (the
+        step donates them); `opt_state` defaults to a fresh one."""
         self.check_data(flow)
         self.objective.check(flow)
         params, static = eqx.partition(flow, eqx.is_inexact_array)
@@ -273,33 +264,27 @@ class Trainer(eqx.Module):
         return self.placed(state)
 
     def placed(self, state: TrainState) -> TrainState:
-        """`state` with its arrays replicated over the mesh (as is, on one
-        device)."""
+        """`state` with its arrays replicated over the mesh, if any."""
         if self.mesh is not None:
             return self.mesh.replicate(state)
         # Committed like the step's output, or the second step would compile again.
         return jax.tree_util.tree_map(_committed, state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
-        """One training step, jitted: draws a batch and the loss's randomness from
-        `fold_in(key, state.step)`, takes the objective's value and gradient and
-        updates the parameters.
+        """One jitted training step, its randomness from `fold_in(key, state.step)`.
 
         **Returns:**
 
-        `(state, info)`: the new state and a dict of scalars: `loss` (the objective's
-        recorded loss), `nfe` and `nfe_backward` (vector-field evaluations of the
-        forward and backward pass; `-1` where not counted, as with
-        `diffrax.BacksolveAdjoint`), `skipped` (whether this step was skipped), the
-        learning rate `lr` with [`budget_cosine_adam`][cnftrace.budget_cosine_adam],
-        and the objective's other metrics.
+        `(state, info)`: the new state and a dict of scalars: `loss`, `nfe`,
+        `nfe_backward` (`-1` where not counted), `skipped`, `lr` (with
+        [`budget_cosine_adam`][cnftrace.budget_cosine_adam]) and the objective's
+        other metrics.
         """
         return jitted_step(self, state)
 
     def check(self, state: TrainState, max_failures: int | None = None) -> None:
-        """Raises a [`TrainingError`][cnftrace.TrainingError] on the host if an ODE
-        solve failed, or if the last `max_failures` steps were all skipped for a
-        non-finite loss or gradient. A sync with the device."""
+        """Raises a [`TrainingError`][cnftrace.TrainingError] if an ODE solve failed
+        or the last `max_failures` steps were all skipped (a device sync)."""
         raise_for_failures(
             jax.device_get(StepCounters.of(state)), state.flow, max_failures
         )
