@@ -12,27 +12,22 @@ import numpy as np
 
 from .._io import atomic_write
 from ..datasets import (
-    ALL_DATASETS,
-    DIRECTORY_DATASETS,
-    FORMATS_SHOWN,
     MNIST_FILES,
-    SPREADSHEETS,
     TABULAR_DATASETS,
     TOY_DATASETS,
     UCI_DATASETS,
     UCI_DIMS,
     UCI_FILES,
     DataSource,
-    data_format,
     data_source,
-    file_sha256,
     file_source,
     load_digits,
     load_tabular,
-    mnist_root,
     toy_entropy,
     toy_entropy_is_exact,
 )
+from ..datasets._files import FORMATS_SHOWN, SPREADSHEETS, data_format, file_sha256
+from ..datasets._sources import ALL_DATASETS, DIRECTORY_DATASETS, mnist_root
 from ..runs import RunConfig
 from ._checks import CommandFailed, UsageError, warnings_said
 

@@ -7,12 +7,7 @@ a training source of its own class, and the standardisation of a table."""
 
 from ._file_source import DataFile, FileSource, file_source, grid_steps
 from ._files import (
-    FORMATS_SHOWN,
-    SPREADSHEETS,
-    TABLE_FORMATS,
     Table,
-    data_format,
-    file_sha256,
     read_table,
 )
 from ._known import (
@@ -35,8 +30,6 @@ from ._real import (
     logit_transform,
 )
 from ._sources import (
-    ALL_DATASETS,
-    DIRECTORY_DATASETS,
     LOGIT_ALPHA,
     MNIST_LEVELS,
     DataSource,
@@ -46,7 +39,6 @@ from ._sources import (
     data_source,
     digits_from_logit,
     gaussian_baseline_nll,
-    mnist_root,
 )
 from ._split import split_table
 from ._standardization import Standardization
@@ -70,9 +62,7 @@ from ._toy import (
 from ._uci import UCI_DATASETS, UCI_DIMS, UCI_FILES, load_uci
 
 __all__ = [
-    "ALL_DATASETS",
     "DIGIT_LEVELS",
-    "DIRECTORY_DATASETS",
     "LOGIT_ALPHA",
     "MARGINALS",
     "MNIST_FILES",
@@ -80,13 +70,10 @@ __all__ = [
     "DataFile",
     "DataSource",
     "FileSource",
-    "FORMATS_SHOWN",
     "ImageSource",
     "KnownDensity",
-    "SPREADSHEETS",
     "EnergyTarget",
     "ParticleEnergy",
-    "TABLE_FORMATS",
     "TABULAR_DATASETS",
     "TARGETS",
     "Table",
@@ -99,13 +86,11 @@ __all__ = [
     "TableSource",
     "ToySource",
     "bits_per_dim",
-    "data_format",
     "data_source",
     "dequantize",
     "digits_from_logit",
     "dw4",
     "energy_target",
-    "file_sha256",
     "file_source",
     "grid_steps",
     "gaussian_baseline_nll",
@@ -117,7 +102,6 @@ __all__ = [
     "load_uci",
     "logit_transform",
     "mixture_2d",
-    "mnist_root",
     "random_walk_metropolis",
     "read_idx",
     "read_table",

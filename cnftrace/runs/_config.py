@@ -11,14 +11,8 @@ from typing import Any
 from .. import _defaults as defaults
 from .._defaults import cli_training, default_recipe
 from .._io import FileKindError, read_regular_file
-from ..datasets import (
-    ALL_DATASETS,
-    DIRECTORY_DATASETS,
-    TABULAR_DATASETS,
-    TOY_DATASETS,
-    UCI_DATASETS,
-    DataFile,
-)
+from ..datasets import TABULAR_DATASETS, TOY_DATASETS, UCI_DATASETS, DataFile
+from ..datasets._sources import ALL_DATASETS, DIRECTORY_DATASETS
 from ..flows import ACTIVATIONS, BASE_KINDS, DEFAULT_ACTIVATION, FIELDS, SOLVERS
 from ..objectives import OBJECTIVES
 from ..store import CheckpointError
