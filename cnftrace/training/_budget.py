@@ -14,16 +14,17 @@ import numpy as np
 import optax
 from jaxtyping import Array
 
+from .._checks import is_number
 
-def check_seconds(seconds, flag: str = "seconds") -> float | None:
+
+def check_seconds(seconds) -> float | None:
     """`seconds` as a float, `None` kept; a `ValueError` naming the budget unless it
     is a positive finite number."""
     if seconds is None:
         return None
-    number = isinstance(seconds, (int, float, np.integer, np.floating))
-    if isinstance(seconds, bool) or not number or not 0 < seconds < math.inf:
+    if not is_number(seconds) or not 0 < seconds < math.inf:
         raise ValueError(
-            f"`{flag}` is the training time budget, a finite number of seconds > 0; "
+            "`seconds` is the training time budget, a finite number of seconds > 0; "
             f"got {seconds!r}. Pass e.g. `seconds=600` for ten minutes "
             "(`cnftrace train --minutes 10`), or leave it None to train for `steps`."
         )

@@ -10,6 +10,7 @@ import os
 import jax.random as jr
 import numpy as np
 import pytest
+from _cli import fails
 
 import cnftrace
 from cnftrace._defaults import LR, LR_END_DIVISOR, WARMUP
@@ -54,10 +55,7 @@ def test_a_budget_that_is_not_a_positive_finite_number_is_refused(flow, tmp_path
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "ten"])
 def test_the_command_line_refuses_a_bad_budget_before_writing(tmp_path, capsys, bad):
     run = tmp_path / "run"
-    with pytest.raises(SystemExit) as raised:
-        main(["train", "--run-dir", str(run), "--minutes", bad])
-    assert raised.value.code == 2
-    assert "--minutes" in capsys.readouterr().err
+    fails(["train", "--run-dir", str(run), "--minutes", bad], capsys, 2, "--minutes")
     assert not run.exists()
 
 
