@@ -164,6 +164,19 @@ def figure_bytes(fig, format: str = "png", **kwargs) -> bytes:
     return buffer.getvalue()
 
 
+# The benchmark figures' place and colours (`plots.py` and the scripts that draw their
+# own figure).
+DOCS_IMAGES = os.path.join(os.path.dirname(RESULTS), os.pardir, "docs", "images")
+COLORS = {"cnftrace": "C0", "zuko NSF": "C1", "zuko CNF": "C2", "zuko": "C1"}
+
+
+def plain_numbers(plt, axis, ticks) -> None:
+    """A log axis labelled at `ticks` in plain numbers rather than powers of ten."""
+    axis.set_major_locator(plt.FixedLocator(ticks))
+    axis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(plt.NullFormatter())
+
+
 def save_image_grid(path: str, images: np.ndarray, title: str) -> None:
     """Saves images of shape `(n, 1, h, w)` with values in [0, 1] as a square grid
     in a PNG (written to a temporary file first, then renamed)."""

@@ -18,10 +18,14 @@ import argparse
 import json
 import os
 
-from experiments._common import RESULTS, atomic_write, figure_bytes
-
-DOCS_IMAGES = os.path.join(os.path.dirname(RESULTS), os.pardir, "docs", "images")
-COLORS = {"cnftrace": "C0", "zuko NSF": "C1", "zuko CNF": "C2", "zuko": "C1"}
+from experiments._common import (
+    COLORS,
+    DOCS_IMAGES,
+    RESULTS,
+    atomic_write,
+    figure_bytes,
+    plain_numbers,
+)
 
 
 def _load(name: str) -> dict:
@@ -34,13 +38,6 @@ def _axes(plt, title: str):
     ax.set_title(title, fontsize=11)
     ax.grid(True, which="both", alpha=0.3)
     return fig, ax
-
-
-def _plain_numbers(plt, axis, ticks) -> None:
-    """A log axis labelled at `ticks` in plain numbers rather than powers of ten."""
-    axis.set_major_locator(plt.FixedLocator(ticks))
-    axis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(plt.NullFormatter())
 
 
 def time_to_quality(plt, suite: dict):
@@ -60,7 +57,7 @@ def time_to_quality(plt, suite: dict):
         for gap in (0.15, 0.05):
             ax.axhline(gap, color="grey", lw=0.8, ls="--")
         ax.set_yscale("log")
-        _plain_numbers(plt, ax.yaxis, [0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1])
+        plain_numbers(plt, ax.yaxis, [0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1])
         ax.set_xlabel("training seconds (2-core CPU)")
         ax.set_ylabel("test NLL − entropy (nats)")
         ax.set_title(f"B2, {data}", fontsize=11)
@@ -121,7 +118,7 @@ def gap_vs_dimension(plt, dims_rows: dict):
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    _plain_numbers(plt, ax.yaxis, [0.003, 0.01, 0.03, 0.1, 0.3, 1, 3])
+    plain_numbers(plt, ax.yaxis, [0.003, 0.01, 0.03, 0.1, 0.3, 1, 3])
     ax.set_xticks([r["dim"] for r in rows], [str(r["dim"]) for r in rows])
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("dimension d")

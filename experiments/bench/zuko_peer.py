@@ -301,13 +301,18 @@ def zuko_b4(
     max_train_s: float | None = None,
     model: str = "cnf",
     device: str = "cpu",
+    final_test: np.ndarray | None = None,
 ) -> dict:
     """B4 and B5: train zuko's CNF (or, with `model="nsf"`, its NSF) for `steps` steps
     of `batch` samples from `sample(key, n)` (a JAX sampler, the same as cnftrace's),
     with the exact per-sample log-densities of `test` at each training second in
-    `eval_at_s` and at the end (evaluations off the clock). With `max_train_s`,
-    training stops once that many seconds are spent (`steps_done` says where);
-    `steps=None` trains until then. `device`: where zuko trains and evaluates."""
+    `eval_at_s` and at the end (evaluations off the clock). Each evaluation is made
+    after the first step that reaches its second: `at_s` holds (second asked for,
+    steps done, log-densities) and `at_train_s` the training seconds then spent.
+    With `max_train_s`, training stops once that many seconds are spent
+    (`steps_done` says where); `steps=None` trains until then. `final_test`: more
+    points scored at the end only (`final_test_logp`; B5's test set, where `test`
+    draws its curve). `device`: where zuko trains and evaluates."""
     if steps is None and max_train_s is None:
         raise ValueError("give `steps`, `max_train_s` or both.")
     threads = _setup_torch(seed, threads)
@@ -317,7 +322,7 @@ def zuko_b4(
     key = jax.random.fold_in(jax.random.key(seed), 1)
     np.asarray(sample(key, batch))  # the sampler's compile, not on the clock
     pending = sorted(eval_at_s)
-    at_s = []
+    at_s, at_train_s = [], []
     train_s = 0.0
     for i in itertools.count() if steps is None else range(steps):
         t0 = time.perf_counter()
@@ -331,15 +336,22 @@ def zuko_b4(
         train_s += time.perf_counter() - t0
         while pending and train_s >= pending[0]:
             at_s.append((pending.pop(0), i + 1, _log_prob_chunks(flow, x_test)))
+            at_train_s.append(train_s)
         if max_train_s is not None and train_s >= max_train_s:
             break
+    final_test_logp = None
+    if final_test is not None:
+        x_final = torch.from_numpy(np.array(final_test, dtype=np.float32)).to(device)
+        final_test_logp = _log_prob_chunks(flow, x_final)
     return {
         "system": f"zuko {zuko.__version__}",
         "model": MODEL_NOTES[model],
         "steps_done": i + 1,
         "train_s": train_s,
         "final_logp": _log_prob_chunks(flow, x_test),
+        "final_test_logp": final_test_logp,
         "at_s": at_s,
+        "at_train_s": at_train_s,
         "threads": threads,
         "device": device,
     }
