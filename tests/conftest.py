@@ -23,6 +23,13 @@ import cnftrace  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Python's cyclic garbage collector runs far less often in the test processes: JAX's
+# tracing makes many short-lived objects while the worker holds many long-lived
+# ones (compiled programs, cached traces), and at Python's default thresholds the
+# collector took about 7% of a test file's time scanning them (docs/changelog.md).
+# Memory stays bounded: the thresholds still collect, and `release_memory` below
+# collects whenever a worker grows too large.
+gc.set_threshold(100_000, 50, 100)
 # XLA without its expensive optimisation passes (LLVM's above all): the suite's time
 # is mostly compiling small programs that then run a few steps, and compiling them
 # unoptimised saves about a fifth of it. The same for the processes the tests start.

@@ -69,7 +69,13 @@ CALIBRATION_STEPS = 8
 PEERS = ("nsf", "cnf")
 STEM = "b5_curves"
 IMAGE = "b5_time_to_quality.png"
-LABELS = {"cnftrace": "cnftrace", "zuko_nsf": "zuko NSF", "zuko_cnf": "zuko CNF"}
+LABELS = {
+    "cnftrace": "cnftrace",
+    "cnftrace_fm": "cnftrace, FM warm start",
+    "zuko_nsf": "zuko NSF",
+    "zuko_cnf": "zuko CNF",
+}
+FM_EVERY = 1000  # flow-matching steps between the warm start's validations
 
 
 def seconds_to(curve, level: float) -> float | None:
@@ -101,11 +107,19 @@ def _times(result: dict) -> dict:
 
 
 def cnftrace_curve(
-    target: Target, points, test, seconds: float, every: int | None = None
+    target: Target,
+    points,
+    test,
+    seconds: float,
+    every: int | None = None,
+    fm_share: float = 0.0,
 ) -> dict:
     """cnftrace's defaults with a budget of `seconds`, validated on `points` (the
     curve) every `every` steps (`None`: at the pace of a calibration run), and its
-    final gap on `test`."""
+    final gap on `test`. With `fm_share`, a candidate recipe: that share of the
+    budget trains by flow matching (`objective="fm"`, validated every `FM_EVERY`
+    steps), and maximum likelihood starts from its model for the rest, with a fresh
+    optimiser."""
     model_key, train_key = jr.split(jr.key(0))
     flow = cnftrace.mlp_flow(target.dim, key=model_key)
     sizes = set()
@@ -114,17 +128,31 @@ def cnftrace_curve(
         sizes.add(int(n))
         return target.sample(key, n)
 
+    true_nll = float(-target.true_log_prob(points).mean())
+    curve, fm_s, fm_steps = [], 0.0, 0
+    if fm_share > 0:
+        flow, fm = cnftrace.fit(
+            flow,
+            sample,
+            key=jr.fold_in(train_key, 1),
+            objective="fm",
+            seconds=fm_share * seconds,
+            validation=cnftrace.Validation(points, every=FM_EVERY),
+            progress=progress(),
+        )
+        curve = _curve(fm, true_nll, 0.0, 0)
+        fm_s, fm_steps = fm["seconds"][-1], fm["step"][-1]
     start = time.perf_counter()
     if every is None:
         _, calibration = cnftrace.fit(
             flow,
             sample,
             key=train_key,
-            seconds=seconds,
+            seconds=seconds - fm_s,
             steps=CALIBRATION_STEPS,
             progress=False,
         )
-        every = validation_every(calibration["seconds"], seconds)
+        every = validation_every(calibration["seconds"], seconds - fm_s)
     calibration_s = time.perf_counter() - start
     validation = cnftrace.Validation(points, every=every)
     start = time.perf_counter()
@@ -132,34 +160,41 @@ def cnftrace_curve(
         flow,
         sample,
         key=train_key,
-        seconds=seconds,
+        seconds=seconds - fm_s,
         validation=validation,
         progress=progress(),
     )
     wall_s = time.perf_counter() - start
-    true_nll = float(-target.true_log_prob(points).mean())
-    at = dict(zip(history["step"], history["seconds"]))
-    curve = [
-        [0.0 if step == 0 else at[step], step, nll - true_nll]
-        for step, nll in zip(history["val_step"], history["val_nll"])
-    ]
+    curve += _curve(history, true_nll, fm_s, fm_steps)[1 if fm_steps else 0 :]
     gap, se = gap_and_se(target, test, cnftrace_log_prob(trained, test))
     steps = history["step"][-1]
     recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
+    if fm_steps:
+        recipe.update(fm_share=fm_share, fm_steps=fm_steps, fm_s=fm_s)
     return _times(
         {
             "system": f"cnftrace {cnftrace.__version__}",
             "recipe": recipe,
             "every": every,
             "calibration_s": calibration_s,
-            "train_s": history["seconds"][-1],
+            "train_s": fm_s + history["seconds"][-1],
             "wall_s": wall_s,
-            "steps_done": steps,
+            "steps_done": fm_steps + steps,
             "curve": curve,
             "gap": gap,
             "gap_se": se,
         }
     )
+
+
+def _curve(history: dict, true_nll: float, s0: float, step0: int) -> list:
+    """`[seconds, step, gap]` at each validation of a `fit` history, after `s0`
+    seconds and `step0` steps of an earlier phase."""
+    at = dict(zip(history["step"], history["seconds"]))
+    return [
+        [s0 + (0.0 if step == 0 else at[step]), step0 + step, nll - true_nll]
+        for step, nll in zip(history["val_step"], history["val_nll"])
+    ]
 
 
 def zuko_curve(
@@ -201,11 +236,13 @@ def run(
     peers=PEERS,
     on_row=None,
     every: int | None = None,
+    fm_share: float = 0.0,
 ) -> dict:
     """A row per d of `dims`: cnftrace's curve, then each of zuko's `peers` at the
     seconds of its points. `on_row(key, row)` is called as each row is done.
     `every`: cnftrace's steps between validations, instead of calibrating them
-    (smoke runs)."""
+    (smoke runs). `fm_share` > 0: also the flow-matching warm start's curve
+    (see `cnftrace_curve`)."""
     zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
@@ -219,6 +256,11 @@ def run(
         row["test_true_nll"] = float(-target.true_log_prob(test).mean())
         row["cnftrace"] = ours = cnftrace_curve(target, points, test, seconds, every)
         print(f"B5 curves d={d}: cnftrace {json.dumps(ours)}", flush=True)
+        if fm_share > 0:
+            row["cnftrace_fm"] = cnftrace_curve(
+                target, points, test, seconds, every, fm_share
+            )
+            print(f"B5 curves d={d}: warm start {json.dumps(row['cnftrace_fm'])}")
         at_s = [s for s, _, _ in ours["curve"]]
         for model in peers:
             if zuko_peer is None:
@@ -246,11 +288,13 @@ def markdown(res: dict) -> str:
     for row in res.values():
         for key, r in _systems(row):
             name = LABELS[key]
-            if key == "cnftrace":
+            if key.startswith("cnftrace"):
                 recipe = r["recipe"]
                 name += (
                     f" ({recipe['width']}×{recipe['depth']}, batch {recipe['batch']})"
                 )
+            if "fm_share" in r.get("recipe", {}):
+                name += f", its first {r['recipe']['fm_share']:.0%} of the seconds"
             to = [
                 "not reached" if s is None else f"{s:.0f}"
                 for s in r["seconds_to"].values()
@@ -343,6 +387,13 @@ def main(argv=None) -> None:
         "about 13 fall in the budget); for smoke runs",
     )
     parser.add_argument(
+        "--fm-share",
+        type=float,
+        default=0.0,
+        help="also run a candidate: this share of the budget (0 to 1) trains by "
+        "flow matching before maximum likelihood",
+    )
+    parser.add_argument(
         "--out-dir",
         help="where the JSON, table and plot go (default: experiments/results and "
         "docs/images); for smoke runs",
@@ -359,6 +410,8 @@ def main(argv=None) -> None:
         parser.error(f"--dims: dimensions of 1 or more; got {args.dims!r}.")
     if not 0 < args.seconds < float("inf"):
         parser.error(f"--seconds: a positive number of seconds; got {args.seconds}.")
+    if not 0 <= args.fm_share < 1:
+        parser.error(f"--fm-share: a share in [0, 1); got {args.fm_share}.")
     if args.every is not None and args.every < 1:
         parser.error(f"--every: a number of steps, 1 or more; got {args.every}.")
     for flag, n in (("--curve-size", args.curve_size), ("--test-size", args.test_size)):
@@ -381,7 +434,7 @@ def main(argv=None) -> None:
         write(ordered, args.out_dir, command.strip())
 
     sizes = (args.curve_size, args.test_size)
-    run(dims, args.seconds, *sizes, peers, save, args.every)
+    run(dims, args.seconds, *sizes, peers, save, args.every, args.fm_share)
     with open(stem + ".md") as f:
         print(f.read())
 
