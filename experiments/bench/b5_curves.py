@@ -119,7 +119,7 @@ def cnftrace_curve(
     final gap on `test`. With `fm_share`, a candidate recipe: that share of the
     budget trains by flow matching (`objective="fm"`, validated every `FM_EVERY`
     steps), and maximum likelihood starts from its model for the rest, with a fresh
-    optimiser."""
+    optimiser (`fm_share=1`: flow matching alone)."""
     model_key, train_key = jr.split(jr.key(0))
     flow = cnftrace.mlp_flow(target.dim, key=model_key)
     sizes = set()
@@ -142,32 +142,14 @@ def cnftrace_curve(
         )
         curve = _curve(fm, true_nll, 0.0, 0)
         fm_s, fm_steps = fm["seconds"][-1], fm["step"][-1]
-    start = time.perf_counter()
-    if every is None:
-        _, calibration = cnftrace.fit(
-            flow,
-            sample,
-            key=train_key,
-            seconds=seconds - fm_s,
-            steps=CALIBRATION_STEPS,
-            progress=False,
+    trained, train_s, steps, calibration_s, wall_s = flow, fm_s, 0, 0.0, 0.0
+    if fm_share < 1:
+        trained, history, every, calibration_s, wall_s = _likelihood_phase(
+            flow, sample, train_key, points, seconds - fm_s, every
         )
-        every = validation_every(calibration["seconds"], seconds - fm_s)
-    calibration_s = time.perf_counter() - start
-    validation = cnftrace.Validation(points, every=every)
-    start = time.perf_counter()
-    trained, history = cnftrace.fit(
-        flow,
-        sample,
-        key=train_key,
-        seconds=seconds - fm_s,
-        validation=validation,
-        progress=progress(),
-    )
-    wall_s = time.perf_counter() - start
-    curve += _curve(history, true_nll, fm_s, fm_steps)[1 if fm_steps else 0 :]
+        curve += _curve(history, true_nll, fm_s, fm_steps)[1 if fm_steps else 0 :]
+        steps, train_s = history["step"][-1], fm_s + history["seconds"][-1]
     gap, se = gap_and_se(target, test, cnftrace_log_prob(trained, test))
-    steps = history["step"][-1]
     recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
     if fm_steps:
         recipe.update(fm_share=fm_share, fm_steps=fm_steps, fm_s=fm_s)
@@ -177,7 +159,7 @@ def cnftrace_curve(
             "recipe": recipe,
             "every": every,
             "calibration_s": calibration_s,
-            "train_s": fm_s + history["seconds"][-1],
+            "train_s": train_s,
             "wall_s": wall_s,
             "steps_done": fm_steps + steps,
             "curve": curve,
@@ -185,6 +167,34 @@ def cnftrace_curve(
             "gap_se": se,
         }
     )
+
+
+def _likelihood_phase(flow, sample, key, points, seconds: float, every):
+    """`fit`'s default maximum likelihood for `seconds`, validated on `points` every
+    `every` steps (`None`: calibrated); the trained flow, its history, `every`,
+    and the calibration's and the run's wall seconds."""
+    start = time.perf_counter()
+    if every is None:
+        _, calibration = cnftrace.fit(
+            flow,
+            sample,
+            key=key,
+            seconds=seconds,
+            steps=CALIBRATION_STEPS,
+            progress=False,
+        )
+        every = validation_every(calibration["seconds"], seconds)
+    calibration_s = time.perf_counter() - start
+    start = time.perf_counter()
+    trained, history = cnftrace.fit(
+        flow,
+        sample,
+        key=key,
+        seconds=seconds,
+        validation=cnftrace.Validation(points, every=every),
+        progress=progress(),
+    )
+    return trained, history, every, calibration_s, time.perf_counter() - start
 
 
 def _curve(history: dict, true_nll: float, s0: float, step0: int) -> list:
@@ -293,8 +303,13 @@ def markdown(res: dict) -> str:
                 name += (
                     f" ({recipe['width']}×{recipe['depth']}, batch {recipe['batch']})"
                 )
-            if "fm_share" in r.get("recipe", {}):
-                name += f", its first {r['recipe']['fm_share']:.0%} of the seconds"
+            share = r.get("recipe", {}).get("fm_share")
+            if share is not None:
+                name += (
+                    ", flow matching alone"
+                    if share == 1
+                    else f", its first {share:.0%} of the seconds"
+                )
             to = [
                 "not reached" if s is None else f"{s:.0f}"
                 for s in r["seconds_to"].values()
@@ -391,7 +406,7 @@ def main(argv=None) -> None:
         type=float,
         default=0.0,
         help="also run a candidate: this share of the budget (0 to 1) trains by "
-        "flow matching before maximum likelihood",
+        "flow matching before maximum likelihood (1: flow matching alone)",
     )
     parser.add_argument(
         "--out-dir",
@@ -410,8 +425,8 @@ def main(argv=None) -> None:
         parser.error(f"--dims: dimensions of 1 or more; got {args.dims!r}.")
     if not 0 < args.seconds < float("inf"):
         parser.error(f"--seconds: a positive number of seconds; got {args.seconds}.")
-    if not 0 <= args.fm_share < 1:
-        parser.error(f"--fm-share: a share in [0, 1); got {args.fm_share}.")
+    if not 0 <= args.fm_share <= 1:
+        parser.error(f"--fm-share: a share in [0, 1]; got {args.fm_share}.")
     if args.every is not None and args.every < 1:
         parser.error(f"--every: a number of steps, 1 or more; got {args.every}.")
     for flag, n in (("--curve-size", args.curve_size), ("--test-size", args.test_size)):

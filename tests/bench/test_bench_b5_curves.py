@@ -104,7 +104,12 @@ def test_zuko_curve(smoke):
 
 
 def test_bad_arguments_are_refused(tmp_path):
-    for argv in (["--seconds", "0"], ["--peers", "maf"], ["--dims", "two"]):
+    for argv in (
+        ["--seconds", "0"],
+        ["--peers", "maf"],
+        ["--dims", "two"],
+        ["--fm-share", "1.5"],
+    ):
         with pytest.raises(SystemExit):
             b5_curves.main([*argv, "--out-dir", str(tmp_path)])
     assert os.listdir(tmp_path) == []
