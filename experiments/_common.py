@@ -178,6 +178,20 @@ def plain_numbers(plt, axis, ticks) -> None:
     axis.set_minor_formatter(plt.NullFormatter())
 
 
+def gap_axes(plt, ax, levels, ticks, xlabel: str, ylabel: str, title: str) -> None:
+    """A panel of gaps against seconds: `levels` dashed, a log y axis labelled at
+    `ticks` in plain numbers, the labels, a grid and the legend."""
+    for level in levels:
+        ax.axhline(level, color="grey", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    plain_numbers(plt, ax.yaxis, ticks)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def save_image_grid(path: str, images: np.ndarray, title: str) -> None:
     """Saves images of shape `(n, 1, h, w)` with values in [0, 1] as a square grid
     in a PNG (written to a temporary file first, then renamed)."""

@@ -24,6 +24,7 @@ from experiments._common import (
     RESULTS,
     atomic_write,
     figure_bytes,
+    gap_axes,
     plain_numbers,
 )
 
@@ -54,15 +55,9 @@ def time_to_quality(plt, suite: dict):
             seconds = [s for s, _ in r["curve"]]
             gaps = [nll - r["floor"] for _, nll in r["curve"]]
             ax.plot(seconds, gaps, "o-", ms=3, label=r["system"], color=COLORS[name])
-        for gap in (0.15, 0.05):
-            ax.axhline(gap, color="grey", lw=0.8, ls="--")
-        ax.set_yscale("log")
-        plain_numbers(plt, ax.yaxis, [0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1])
-        ax.set_xlabel("training seconds (2-core CPU)")
-        ax.set_ylabel("test NLL − entropy (nats)")
-        ax.set_title(f"B2, {data}", fontsize=11)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ticks = [0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1]
+        xlabel, ylabel = "training seconds (2-core CPU)", "test NLL − entropy (nats)"
+        gap_axes(plt, ax, (0.15, 0.05), ticks, xlabel, ylabel, f"B2, {data}")
     return fig
 
 

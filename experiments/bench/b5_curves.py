@@ -55,9 +55,9 @@ from experiments._common import (
     cnftrace_log_prob,
     figure_bytes,
     gap_and_se,
+    gap_axes,
     load_results,
     markdown_table,
-    plain_numbers,
     progress,
     zuko_peer_module,
 )
@@ -342,15 +342,10 @@ def figure(plt, res: dict):
                 s, gap = zip(*points)
                 label = LABELS[key]
                 ax.plot(s, gap, "o-", ms=3, label=label, color=COLORS[label])
-        for level in LEVELS:
-            ax.axhline(level, color="grey", lw=0.8, ls="--")
-        ax.set_yscale("log")
-        plain_numbers(plt, ax.yaxis, [0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10])
-        ax.set_xlabel("training seconds")
-        ax.set_ylabel("model NLL − true NLL (nats)")
-        ax.set_title(f"B5, warped_product({row['dim']})", fontsize=11)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ticks = [0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10]
+        title = f"B5, warped_product({row['dim']})"
+        ylabel = "model NLL − true NLL (nats)"
+        gap_axes(plt, ax, LEVELS, ticks, "training seconds", ylabel, title)
     return fig
 
 
