@@ -168,7 +168,6 @@ def figure_bytes(fig, format: str = "png", **kwargs) -> bytes:
 # own figure).
 DOCS_IMAGES = os.path.join(os.path.dirname(RESULTS), os.pardir, "docs", "images")
 COLORS = {"cnftrace": "C0", "zuko NSF": "C1", "zuko CNF": "C2", "zuko": "C1"}
-COLORS["cnftrace, FM warm start"] = "C3"
 
 
 def plain_numbers(plt, axis, ticks) -> None:

@@ -113,3 +113,14 @@ def test_bad_arguments_are_refused(tmp_path):
         with pytest.raises(SystemExit):
             b5_curves.main([*argv, "--out-dir", str(tmp_path)])
     assert os.listdir(tmp_path) == []
+
+
+def test_the_candidate_is_named_by_its_share():
+    fm = {"recipe": {"fm_share": 0.2}}
+    assert b5_curves._label("cnftrace_fm", fm) == (
+        "cnftrace, flow matching 20% then likelihood"
+    )
+    alone = {"recipe": {"fm_share": 1}}
+    assert b5_curves._label("cnftrace_fm", alone) == "cnftrace, flow matching alone"
+    assert b5_curves._label("cnftrace", {"recipe": {}}) == "cnftrace"
+    assert b5_curves._label("zuko_nsf", {}) == "zuko NSF"
