@@ -74,7 +74,7 @@ class ConvField(eqx.Module):
     !!! example
 
         ```python
-        field = cnftrace.ConvField(1, hidden=(8, 8), key=jr.key(0))
+        field = cnftrace.ConvField(1, hidden=(8,), key=jr.key(0))
         flow = cnftrace.CNF(field, dim=(1, 8, 8), rtol=1e-3, atol=1e-3)
         logp = flow.log_prob(jnp.zeros((2, 1, 8, 8)))
         ```
