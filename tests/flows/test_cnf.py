@@ -173,18 +173,32 @@ def _loss(flow, x):
     return jnp.mean(flow.log_prob(x))
 
 
+# The gradient of `_loss`, one function for the file's tests: the flow and data of
+# `_adjoint_flow` get it compiled once, for the comparison of adjoints and for the
+# backward counter's comparison.
+_grad_loss = eqx.filter_jit(eqx.filter_grad(_loss))
+_ADJOINT_X = jr.normal(jr.key(5), (4, 2))
+
+
+def _adjoint_flow(adjoint):
+    """A one-block flow solved tightly with Dopri5 through `adjoint`."""
+    return small_flow(
+        jr.key(6), t1=0.5, adjoint=adjoint, rtol=1e-11, atol=1e-11,
+        solver=diffrax.Dopri5(),
+    )  # fmt: skip
+
+
 def test_gradients_agree_across_adjoints_and_finite_differences():
-    x = jr.normal(jr.key(5), (4, 2))
-    common = dict(rtol=1e-11, atol=1e-11, solver=diffrax.Dopri5())
+    x = _ADJOINT_X
     flows = {
-        name: small_flow(jr.key(6), t1=0.5, adjoint=adj, **common)
+        name: _adjoint_flow(adj)
         for name, adj in [
             ("checkpoint", diffrax.RecursiveCheckpointAdjoint()),
             ("direct", diffrax.DirectAdjoint()),
             ("backsolve", diffrax.BacksolveAdjoint()),
         ]
     }
-    grads = {n: eqx.filter_jit(eqx.filter_grad(_loss))(f, x) for n, f in flows.items()}
+    grads = {n: _grad_loss(f, x) for n, f in flows.items()}
     leaves = {n: jax.tree_util.tree_leaves(g) for n, g in grads.items()}
     for a, b in zip(leaves["checkpoint"], leaves["direct"]):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
@@ -211,7 +225,10 @@ def test_hutchinson_flow_needs_key_and_is_unbiased():
     hflow = flow.with_estimator(cnftrace.Hutchinson(sampler="gaussian"))
     with pytest.raises(ValueError, match="key"):
         hflow.log_prob(x)
-    estimates = jax.vmap(lambda k: hflow.log_prob(x, key=k))(jr.split(jr.key(9), 400))
+    # The 400 estimates in one compiled program.
+    estimates = eqx.filter_jit(
+        lambda f, keys: jax.vmap(lambda k: f.log_prob(x, key=k))(keys)
+    )(hflow, jr.split(jr.key(9), 400))
     exact = flow.log_prob(x)
     mean = jnp.mean(estimates, axis=0)
     se = jnp.std(estimates, axis=0) / jnp.sqrt(400.0)
@@ -235,8 +252,8 @@ def test_regression_closure_over_traced_array_in_checkpointed_adjoint():
         return jnp.mean(flow.log_prob(x))
 
     context = jnp.array([0.3, -0.2])
-    g_net = eqx.filter_grad(loss)(net, context)
-    g_ctx = jax.grad(lambda c: loss(net, c))(context)
+    # Both gradients from one program.
+    g_net, g_ctx = eqx.filter_grad(lambda nc: loss(*nc))((net, context))
     assert all(jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(g_net))
     eps = 1e-5
     for i in range(2):
@@ -453,52 +470,59 @@ def test_concatsquash_mlp():
 
 def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
     # Reverse mode backpropagates once through every evaluation of the solve: the
-    # first evaluation plus 6 per Tsit5 step, rejected steps included; the plain
-    # evaluation of the initial-step heuristic is not differentiated. So the count is
-    # nfe - 1 for each block, also when the checkpointed adjoint replays steps from
-    # few checkpoints.
-    x = jr.normal(jr.key(1), (16, 2))
-    # Each adjoint once, the estimators shared out between them (every gradient
-    # compiled here is one of a two-block solve, which is what this test costs).
-    cases = [
-        (diffrax.RecursiveCheckpointAdjoint(), cnftrace.Exact()),
-        (diffrax.DirectAdjoint(), cnftrace.Hutchinson()),
-        (diffrax.RecursiveCheckpointAdjoint(checkpoints=2), cnftrace.Hutchinson()),
-    ]
-    # The gradient without the counter, once per estimator: the discrete adjoints
-    # differentiate the same solve, and here their gradients agree to rounding
-    # (with these depth-1 fields, by 4e-13; with depth 2, to the last bit). Not in
-    # every setup: the gradient runs through the step-size controller's error
-    # estimate, a sum that cancels to about the tolerance, so two programs that
-    # round it differently, even of one adjoint, can differ by 1e-7: with one
-    # block, 2 checkpoints' counted and plain gradients do. (Depth-1 fields: each
-    # of the five gradients here traces and compiles faster than with depth 2.)
-    plain = {}
-    for adjoint, estimator in cases:
-        blocks = [
+    # first evaluation plus 6 per step of Tsit5 or Dopri5 (both reuse their last
+    # stage), rejected steps included; the plain evaluation of the initial-step
+    # heuristic is not differentiated. So the count is nfe - 1 for each block, also
+    # when the checkpointed adjoint replays steps from few checkpoints.
+    #
+    # Each adjoint once, the estimators shared out between them, and each counted
+    # gradient against the gradient without the counter. Every gradient here is a
+    # compiled program of its own, which is what this test costs: the exact
+    # trace's two cases are the one-block flows of the comparison of adjoints
+    # above, whose gradients without the counter that test compiled. Hutchinson's
+    # case solves two blocks: the gradient runs through the step-size controller's
+    # error estimate, a sum that cancels to about the tolerance, so two programs
+    # that round it differently, even of one adjoint, can differ by 1e-7; with one
+    # block, 2 checkpoints' counted and plain gradients do, with two they agree to
+    # rounding.
+    chain = cnftrace.Chain(
+        [
             small_flow(
-                k, t1=0.5, adjoint=adjoint, estimator=estimator, rtol=1e-8, atol=1e-8
-            )
+                k,
+                t1=0.5,
+                adjoint=diffrax.RecursiveCheckpointAdjoint(checkpoints=2),
+                estimator=cnftrace.Hutchinson(),
+                rtol=1e-8,
+                atol=1e-8,
+            )  # fmt: skip
             for k in jr.split(jr.key(2), 2)
         ]
-        flow = cnftrace.Chain(blocks)
+    )
+    cases = [
+        (_adjoint_flow(diffrax.RecursiveCheckpointAdjoint()), _ADJOINT_X),
+        (_adjoint_flow(diffrax.DirectAdjoint()), _ADJOINT_X),
+        (chain, jr.normal(jr.key(1), (16, 2))),
+    ]
+    for flow, x in cases:
         params, static = eqx.partition(flow, eqx.is_inexact_array)
 
-        def loss(p, counter, static=static):
+        def loss(p, counter, static=static, x=x):
             logp, stats = eqx.combine(p, static).batch_log_prob(x, jr.key(3), counter)
             return -jnp.mean(logp), stats
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         (_, stats), (grads, count) = fn(params, jnp.zeros(()))
         assert int(stats.num_steps.min()) > 2
+        blocks = len(flow.flows) if flow is chain else 1
         assert (
             count
             == int(jnp.sum(stats.nfe - 1))
-            == 6 * int(jnp.sum(stats.num_steps)) + len(blocks)
+            == 6 * int(jnp.sum(stats.num_steps)) + blocks
         )
-        name = type(estimator).__name__
-        if name not in plain:
-            plain[name] = jax.jit(jax.grad(lambda p: loss(p, None)[0]))(params)
-        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[name])):
+        if flow is chain:
+            plain = jax.jit(jax.grad(lambda p: loss(p, None)[0]))(params)
+        else:  # `_loss` is the mean log-density: minus `loss`
+            plain = jax.tree.map(jnp.negative, _grad_loss(flow, x))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
             # Equal up to the rounding of differently fused XLA code.
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-16)

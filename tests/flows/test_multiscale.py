@@ -19,6 +19,7 @@ TOL = 1e-10
 SHAPE = (1, 4, 4)
 
 
+@eqx.filter_jit  # one program (op by op, each parameter's shape compiled its own)
 def _perturb(flow, key, scale=0.3):
     """Every parameter moved by noise, so that no block is near the identity."""
     params, static = eqx.partition(flow, eqx.is_inexact_array)
