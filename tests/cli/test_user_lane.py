@@ -7,15 +7,16 @@ process a test starts. A user has none of that: JAX's default float32, XLA's
 default optimisations, no XLA flags. A bug that shows only there (a float32
 rounding, an optimisation pass that miscompiles a program) passes every other test.
 
-Each check here runs in a process of its own, started with the environment the suite
-runs in less what the suite adds to it (`user_env`), as a user would run it:
+The checks here run in processes of their own, started with the environment the
+suite runs in less what the suite adds to it (`user_env`), as a user would run it:
 
 - the README's first example, read from README.md as it stands, reaches a fixed
   quality bar at its fixed step count;
-- `cnftrace train`, `eval` and `sample` through the installed command, each a
-  process, and then the run opened with `cnftrace.load`;
-- `divergence` and `trace` against closed forms, in float32, in the process that
-  opens the run (one process pays JAX's start and the compiles once; a failed
+- `cnftrace train` through the installed command, a process of its own; then, in a
+  second process, `cnftrace eval` and `sample` as that command runs them
+  (`cnftrace.cli.main`), the run opened with `cnftrace.load`, and `divergence` and
+  `trace` against closed forms, in float32 (one process pays JAX's start once, and
+  `load`'s flow evaluates and samples with the commands' compiled programs; a failed
   `train` therefore fails these too).
 
 The processes share the suite's compilation cache: a program compiled under other
@@ -142,42 +143,44 @@ def test_readme_first_flow_reaches_the_entropy_in_float32(tmp_path):
 
 
 # ---------------------------------------------------------------------------------
-# The command line, then `load`, `divergence` and `trace` in one process
+# `cnftrace train`, then `eval`, `sample`, `load`, `divergence` and `trace` in one
+# process
 
 STEPS, N_EVAL, N_SAMPLE, WIDTH = 150, 2000, 500, 16
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    """`cnftrace train`, `eval` and `sample` on a small run, each its own process
-    through the installed command; the run directory and each command's stdout."""
+def trained(tmp_path_factory):
+    """`cnftrace train` on a small run, a process through the installed command; the
+    run directory and the command's stdout."""
     tmp = tmp_path_factory.mktemp("user_lane")
     run_dir = str(tmp / "runs" / "8g")
-    command = cnftrace_command()
     train = ["train", "--data", "8gaussians", "--run-dir", run_dir]
     train += ["--steps", str(STEPS), "--batch-size", "64"]
     train += ["--width", str(WIDTH), "--depth", "1"]
-    out = {}
-    for argv in (
-        train,
-        ["eval", run_dir, "--n", str(N_EVAL)],
-        ["sample", run_dir, "--n", str(N_SAMPLE)],
-    ):
-        out[argv[0]] = run(command + argv, tmp)
-    return run_dir, out
+    return run_dir, run(cnftrace_command() + train, tmp)
 
 
 @pytest.fixture(scope="module")
-def checks(cli_run):
-    """The report of scripts/user_lane_checks.py on the run: one process for the
-    float32 checks of `load`, `divergence` and `trace`."""
-    run_dir, _ = cli_run
+def checks(trained):
+    """The report of scripts/user_lane_checks.py on the run: one process for
+    `cnftrace eval` and `sample` and the float32 checks of `load`, `divergence` and
+    `trace`."""
+    run_dir, _ = trained
     script = os.path.join(SCRIPTS, "user_lane_checks.py")
-    report = last_json(run([sys.executable, script, run_dir], os.path.dirname(run_dir)))
+    argv = [sys.executable, script, run_dir, str(N_EVAL), str(N_SAMPLE)]
+    report = last_json(run(argv, os.path.dirname(run_dir)))
     settings = report["settings"]
     assert settings["x64"] is False and settings["disable_most_optimizations"] is False
     assert settings["xla_flags"] is None and settings["default_float"] == "float32"
     return report
+
+
+@pytest.fixture(scope="module")
+def cli_run(trained, checks):
+    """The run directory, and the stdout of `train`, `eval` and `sample`."""
+    run_dir, train = trained
+    return run_dir, {"train": train, **checks["stdout"]}
 
 
 def test_cli_train_eval_sample(cli_run):
