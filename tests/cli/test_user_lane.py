@@ -7,16 +7,17 @@ process a test starts. A user has none of that: JAX's default float32, XLA's
 default optimisations, no XLA flags. A bug that shows only there (a float32
 rounding, an optimisation pass that miscompiles a program) passes every other test.
 
-Each check here runs in a process of its own, started with the environment the suite
-runs in less what the suite adds to it (`user_env`), as a user would run it:
+The checks here run in processes of their own, started with the environment the
+suite runs in less what the suite adds to it (`user_env`), as a user would run it:
 
-- the README's first example, read from README.md as it stands, reaches a fixed
-  quality bar at its fixed step count;
-- `cnftrace train`, `eval` and `sample` through the installed command, each a
-  process, and then the run opened with `cnftrace.load`;
-- `divergence` and `trace` against closed forms, in float32, in the process that
-  opens the run (one process pays JAX's start and the compiles once; a failed
-  `train` therefore fails these too).
+- `cnftrace train` through the installed command, a process of its own;
+- then a second process: the README's first example, read from README.md as it
+  stands and run first, as `python first_flow.py` runs it, reaches a fixed quality
+  bar at its fixed step count; `cnftrace eval` and `sample` run as that command
+  runs them (`cnftrace.cli.main`); the run opened with `cnftrace.load`; and
+  `divergence` and `trace` against closed forms, in float32. One process pays
+  JAX's start once, and `load`'s flow evaluates and samples with the commands'
+  compiled programs; a failed `train` therefore fails all of these.
 
 The processes share the suite's compilation cache: a program compiled under other
 settings (float64, other XLA options) has another key there, so each lane finds
@@ -106,32 +107,27 @@ def readme_first_flow() -> str:
     return blocks[0]
 
 
-def test_readme_first_flow_reaches_the_entropy_in_float32(tmp_path):
-    """The README's first example, run unchanged as `python first_flow.py`: its
-    printed test NLL of 8gaussians lies within 0.1 nats of the data's entropy after
-    its 1500 steps, in float32 with XLA's default optimisations. Measured (float32,
-    2 cores): 2.8255 ± 0.0135 nats against an entropy of 2.8319, a gap of -0.006;
-    an untrained flow is more than a nat away. The gap estimates a KL divergence, so
-    it cannot lie far below zero either."""
+def test_readme_first_flow_reaches_the_entropy_in_float32(checks):
+    """The README's first example, run unchanged as `python first_flow.py` runs it
+    (first in the process of `checks`): its printed test NLL of 8gaussians lies
+    within 0.1 nats of the data's entropy after its 1500 steps, in float32 with
+    XLA's default optimisations. Measured (float32, 2 cores): 2.8255 ± 0.0135 nats
+    against an entropy of 2.8319, a gap of -0.006; an untrained flow is more than a
+    nat away. The gap estimates a KL divergence, so it cannot lie far below zero
+    either."""
     block = readme_first_flow()
     # The bar and this test's cost were measured at these settings; a README with
     # others needs the bar measured again.
     for setting in ("steps=1500", "batch_size=128", '"8gaussians"', "evaluate_nll"):
         assert setting in block, f"the README's first example lost {setting!r}"
-    script = tmp_path / "first_flow.py"
-    script.write_text(block)
-    out = run(
-        [sys.executable, os.path.join(SCRIPTS, "run_and_report.py"), str(script)],
-        tmp_path,
-    )
-
+    report = checks["readme"]
+    out = report["stdout"]
     printed = re.findall(r"^(-?\d+\.\d+) ± (\d+\.\d+) nats$", out, flags=re.M)
     assert len(printed) == 1, f"one NLL line expected in the example's output:\n{out}"
     nll, stderr = map(float, printed[0])
     gap = nll - toy_entropy("8gaussians")
     assert -3 * stderr < gap < 0.1, (nll, stderr, gap)
 
-    report = last_json(out)
     # What ran was the user's configuration, not the suite's.
     assert report["x64"] is False and report["disable_most_optimizations"] is False
     assert report["xla_flags"] is None
@@ -142,42 +138,48 @@ def test_readme_first_flow_reaches_the_entropy_in_float32(tmp_path):
 
 
 # ---------------------------------------------------------------------------------
-# The command line, then `load`, `divergence` and `trace` in one process
+# `cnftrace train`, then `eval`, `sample`, `load`, `divergence` and `trace` in one
+# process
 
 STEPS, N_EVAL, N_SAMPLE, WIDTH = 150, 2000, 500, 16
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    """`cnftrace train`, `eval` and `sample` on a small run, each its own process
-    through the installed command; the run directory and each command's stdout."""
+def trained(tmp_path_factory):
+    """`cnftrace train` on a small run, a process through the installed command; the
+    run directory and the command's stdout."""
     tmp = tmp_path_factory.mktemp("user_lane")
     run_dir = str(tmp / "runs" / "8g")
-    command = cnftrace_command()
     train = ["train", "--data", "8gaussians", "--run-dir", run_dir]
     train += ["--steps", str(STEPS), "--batch-size", "64"]
     train += ["--width", str(WIDTH), "--depth", "1"]
-    out = {}
-    for argv in (
-        train,
-        ["eval", run_dir, "--n", str(N_EVAL)],
-        ["sample", run_dir, "--n", str(N_SAMPLE)],
-    ):
-        out[argv[0]] = run(command + argv, tmp)
-    return run_dir, out
+    return run_dir, run(cnftrace_command() + train, tmp)
 
 
 @pytest.fixture(scope="module")
-def checks(cli_run):
+def checks(trained):
     """The report of scripts/user_lane_checks.py on the run: one process for the
-    float32 checks of `load`, `divergence` and `trace`."""
-    run_dir, _ = cli_run
+    README's first example, `cnftrace eval` and `sample`, and the float32 checks of
+    `load`, `divergence` and `trace`."""
+    run_dir, _ = trained
+    tmp = os.path.dirname(os.path.dirname(run_dir))
+    readme = os.path.join(tmp, "first_flow.py")
+    with open(readme, "w") as f:
+        f.write(readme_first_flow())
     script = os.path.join(SCRIPTS, "user_lane_checks.py")
-    report = last_json(run([sys.executable, script, run_dir], os.path.dirname(run_dir)))
+    argv = [sys.executable, script, readme, run_dir, str(N_EVAL), str(N_SAMPLE)]
+    report = last_json(run(argv, tmp))
     settings = report["settings"]
     assert settings["x64"] is False and settings["disable_most_optimizations"] is False
     assert settings["xla_flags"] is None and settings["default_float"] == "float32"
     return report
+
+
+@pytest.fixture(scope="module")
+def cli_run(trained, checks):
+    """The run directory, and the stdout of `train`, `eval` and `sample`."""
+    run_dir, train = trained
+    return run_dir, {"train": train, **checks["stdout"]}
 
 
 def test_cli_train_eval_sample(cli_run):

@@ -3,15 +3,23 @@ test starts with a user's environment: JAX's settings as a user gets them, so
 float32 and XLA's full optimisation. One process for all of them, since starting
 JAX and compiling is most of what each check costs.
 
-    python user_lane_checks.py RUN_DIR
+    python user_lane_checks.py README_SCRIPT RUN_DIR N_EVAL N_SAMPLE
 
-Prints one JSON line: the process's JAX settings, the divergence and trace of
-functions and operators whose values are known in closed form (each with its
-reference computed in float64 by NumPy), and what `cnftrace.load(RUN_DIR)` gives
-back (a run of `cnftrace train` on 8gaussians, with `cnftrace sample`'s samples in
-RUN_DIR/samples.npy).
+README_SCRIPT is the README's first example, run first, as `python README_SCRIPT`
+runs it (run_and_report.py). RUN_DIR is a run of `cnftrace train` on 8gaussians:
+the process then runs the command line's `eval RUN_DIR --n N_EVAL` and
+`sample RUN_DIR --n N_SAMPLE` (`cnftrace.cli.main`, as the installed command calls
+it; each loads the run from its directory). It prints one JSON line: the example's
+report and output, the two commands' output, the process's JAX settings, the
+divergence and trace of functions and operators whose values are known in closed
+form (each with its reference computed in float64 by NumPy), and what
+`cnftrace.load(RUN_DIR)` gives back (with `sample`'s samples in
+RUN_DIR/samples.npy). The evaluation and the samples of `load`'s flow are the
+commands' programs again, compiled once.
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -22,12 +30,23 @@ import jax.numpy as jnp
 import jax.random as jr
 import lineax as lx
 import numpy as np
+from run_and_report import run_and_report
 
 import cnftrace
+from cnftrace.cli import main
 from cnftrace.datasets import toy_sample
 
 # Hutchinson's estimate of a linear map's divergence, drawn this many times.
 DRAWS = 4000
+
+
+def command(argv: list[str]) -> str:
+    """`cnftrace ARGV` as the installed command runs it; its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    assert status == 0, (argv, status)
+    return out.getvalue()
 
 
 def settings() -> dict:
@@ -127,10 +146,16 @@ def loaded(run_dir: str) -> dict:
 
 
 if __name__ == "__main__":
+    readme, run_dir, n_eval, n_sample = sys.argv[1:5]
     report = {
+        "readme": run_and_report(readme),
         "settings": settings(),
+        "stdout": {
+            "eval": command(["eval", run_dir, "--n", n_eval]),
+            "sample": command(["sample", run_dir, "--n", n_sample]),
+        },
         "divergence": divergences(),
         "trace": traces(),
-        "load": loaded(sys.argv[1]),
+        "load": loaded(run_dir),
     }
     print(json.dumps(report))

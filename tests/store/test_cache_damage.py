@@ -54,12 +54,31 @@ def _limits(memory: int | None):
     return preexec
 
 
+# The filling of the cache: a run with another learning rate, the cache's entries
+# then (one line), and the clean run, in one process (a process pays seconds of
+# imports; the clean run compiles only its training step, as it would in a process
+# of its own that loads the rest from the cache).
+FILL = """
+import os, sys
+from cnftrace.cli import main
+cache, foreign, clean, *tiny = sys.argv[1:]
+assert main(["train", "--run-dir", foreign, *tiny, "--lr", "0.01"]) == 0
+print("entries:", *sorted(os.listdir(cache)))
+raise SystemExit(main(["train", "--run-dir", clean, *tiny]))
+"""
+
+
 def _train(home: Path, run_dir: Path, *extra: str, memory: int | None = None):
+    argv = ["train", "--run-dir", str(run_dir), *TINY, *extra]
+    code = "from cnftrace.cli import main; raise SystemExit(main())"
+    return _python(home, code, argv, memory)
+
+
+def _python(home: Path, code: str, argv: list[str], memory: int | None = None):
+    """`python -c CODE ARGV...` as a user runs it, with the cache in `home`."""
     env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY}
     env["XDG_CACHE_HOME"] = str(home)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    argv = ["train", "--run-dir", str(run_dir), *TINY, *extra]
-    code = "from cnftrace.cli import main; raise SystemExit(main())"
     try:
         return subprocess.run(
             [sys.executable, "-c", code, *argv],
@@ -111,10 +130,12 @@ def filled(tmp_path_factory):
     home = base / "xdg"
     # A run with another learning rate: its training step has the same inputs and
     # outputs as the clean run's, and other numbers inside.
-    _loss(_train(home, base / "foreign", "--lr", "0.01"))
     cache = home / "cnftrace" / "jax"
-    before = set(os.listdir(cache))
-    loss = _loss(_train(home, base / "clean"))
+    argv = [str(cache), str(base / "foreign"), str(base / "clean"), *TINY]
+    proc = _python(home, FILL, argv)
+    loss = _loss(proc)
+    (listed,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("entries:")]
+    before = set(listed.split()[1:])
     steps = [
         n for n in os.listdir(cache) if n.startswith(STEP) and n.endswith("-cache")
     ]

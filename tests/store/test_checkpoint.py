@@ -2,6 +2,7 @@
 skipped non-finite steps, pruning that keeps good files over unreadable newer ones,
 and forged or special files skipped without being read."""
 
+import importlib.util
 import io
 import json
 import os
@@ -36,21 +37,21 @@ SCRIPT = os.path.join(
 )
 
 
-def _run(run_dir, log, steps=40):
-    out = subprocess.run(
-        [sys.executable, SCRIPT, run_dir, log, str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _resume_here(run_dir, log):
+    """The losses of the script's run, resumed in this process with JAX's settings
+    of the script's process (float32: the suite's float64 is off there)."""
+    spec = importlib.util.spec_from_file_location("train_for_resume", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with jax.enable_x64(False):
+        return script.train(run_dir, log, 40, 0.0)
 
 
 def test_resume_after_sigkill_gives_the_same_losses(tmp_path):
-    """Two processes, not three: the process that is killed first trains the
-    reference, the same run uninterrupted, in a directory of its own (a process
-    pays about 2 s of imports, and the first one the compiles, before it trains)."""
+    """One process, killed: it first trains the reference, the same run
+    uninterrupted, in a directory of its own, then the run that is killed (a
+    process pays about 2 s of imports, and the compiles, before it trains). The run
+    resumes in this process, from what the killed one left on disk."""
     run_dir, log = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     ref_dir = str(tmp_path / "ref")
     # 0.1 s a step: 30 steps left after step 10 take 3 s, far longer than the 50 ms
@@ -77,7 +78,7 @@ def test_resume_after_sigkill_gives_the_same_losses(tmp_path):
         reference = json.load(f)
     assert len(reference) == 40
 
-    resumed = _run(run_dir, log)
+    resumed = _resume_here(run_dir, log)
     assert resumed == reference  # exactly the same, step for step
     # The log of the killed process and the resumed one agree with the reference too.
     with open(log) as f:
