@@ -89,8 +89,10 @@ SMOKE = dict(
     budget_b1=120.0,
     budget_b5=120.0,
     test_size=64,
+    # B1's batch, B5's steps and test set as in `run --quick` and the B5 smoke test:
+    # a process sharing the compilation cache with those compiles their programs once.
     iters=3,
-    batch=32,
+    batch=64,
     dims=(2,),
     probe_steps=3,
     estimators=("hutchinson",),  # B1's exact trace runs the same code
@@ -202,7 +204,8 @@ def run_b5_row(
     first_s, step_s = price_steps(target, probe)
     left = budget_s - (time.perf_counter() - start)
     train_s = left * (1 - EVAL_SHARE) / 2 - first_s
-    steps = 2 if smoke else max(probe, min(MAX_STEPS, int(train_s / step_s)))
+    # A smoke run trains the pricing run's steps again: the same program.
+    steps = probe if smoke else max(probe, min(MAX_STEPS, int(train_s / step_s)))
     row = {"density": target.density.name, "dim": d, "n_test": len(test)}
     row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
     row["probe_s_per_step"] = step_s

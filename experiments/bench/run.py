@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     if args.quick:
         b1_args = dict(iters=3, batch=64)
         b4_args = b4.QUICK
-        b2_args = dict(budgets={"8gaussians": 3.0}, eval_every=1.0, test_size=200)
+        b2_args = dict(budgets={"8gaussians": 2.5}, eval_every=2.5, test_size=200)
         b3_args = dict(
             divergence=dict(dims=(2, 8), batch=64, repeats=3),
             step=dict(batches=(64, 128), iters=3),

@@ -11,7 +11,7 @@ import pytest
 from experiments.bench import gpu
 
 
-@pytest.mark.slow  # compiles B1's step and a default flow's (twice) and log_prob
+@pytest.mark.slow  # compiles B1's step, a default flow's (one program twice), log_prob
 def test_smoke_runs_every_part_and_writes_its_tables(tmp_path):
     stem = str(tmp_path / "gpu")
     assert gpu.main(["--smoke", "--out", stem]) == 0
@@ -26,7 +26,7 @@ def test_smoke_runs_every_part_and_writes_its_tables(tmp_path):
         assert "missing" in row["zuko"] or row["zuko"]["iters_done"] >= 1
     (row,) = res["b5"].values()
     ours = row["cnftrace"]
-    assert row["dim"] == 2 and ours["recipe"]["steps"] == 2
+    assert row["dim"] == 2 and ours["recipe"]["steps"] == gpu.SMOKE["probe_steps"]
     assert math.isfinite(ours["gap"]) and ours["gap_se"] > 0
     assert row["probe_s_per_step"] > 0
     with open(stem + ".md") as f:

@@ -105,7 +105,7 @@ def test_quick_b4_report(tmp_path):
     assert run.main(["--quick", "--only", "b4", "--out", out]) == 0
     report = open(out).read()
     assert "## B4: quality per step and per second, beside zuko" in report
-    assert "| product5 | 5 | 3 × 32 |" in report
+    assert "| product5 | 5 | 3 × 64 |" in report
     row = json.load(open(os.path.splitext(out)[0] + ".json"))["b4"]["product5"]
     ours = row["cnftrace"]
     assert ours["train_s"] > 0 and ours["gap_se"] > 0

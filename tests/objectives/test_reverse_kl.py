@@ -4,6 +4,7 @@ landing), importance weights with the exact trace against Hutchinson's on a targ
 whose normaliser is known, the diagnostics against closed forms, `fit` with
 checkpoints and resume, and bad input refused by name (float64)."""
 
+import functools
 import math
 import warnings
 
@@ -71,26 +72,36 @@ def _analytic_loss(a):
     return kl - LOG_Z
 
 
+@functools.partial(jax.jit, static_argnames=("estimator", "stl"))
+def _value_and_grad(a, key, cov, *, estimator, stl):
+    """The reverse-KL loss of the linear flow at `a` toward Z N(0, cov) on 2000
+    draws, and its gradient in `a`. The target's covariance is an argument, so that
+    the gradient test and the sticking-the-landing test share compiled programs."""
+    est = cnftrace.Exact() if estimator == "exact" else cnftrace.Hutchinson()
+
+    def target(x):
+        return LOG_Z + _gaussian_log_prob(x, cov)
+
+    objective = cnftrace.ReverseKL(
+        target, estimator=est, stick_the_landing=stl, tolerance=None
+    )
+    placeholder = jnp.zeros((2000, 0))
+
+    def loss(a):
+        return objective.loss(_linear_flow(a), placeholder, None, key)[0]
+
+    return jax.value_and_grad(loss)(a)
+
+
 @pytest.mark.parametrize(
     "estimator, stl",
     [("exact", False), ("hutchinson", False), ("exact", True)],
     ids=["exact", "hutchinson", "stick-the-landing"],
 )
 def test_gradient_is_unbiased_against_the_closed_form(estimator, stl):
-    est = cnftrace.Exact() if estimator == "exact" else cnftrace.Hutchinson()
-    objective = cnftrace.ReverseKL(
-        _target, estimator=est, stick_the_landing=stl, tolerance=None
-    )
-    placeholder = jnp.zeros((2000, 0))
-
-    @jax.jit
-    def grad(a, key):
-        def loss(a):
-            return objective.loss(_linear_flow(a), placeholder, None, key)[0]
-
-        return jax.value_and_grad(loss)(a)
-
-    batches = [grad(A, jr.key(i)) for i in range(8)]
+    batches = [
+        _value_and_grad(A, jr.key(i), P, estimator=estimator, stl=stl) for i in range(8)
+    ]
     values = np.array([float(v) for v, _ in batches])
     grads = np.stack([np.asarray(g) for _, g in batches])
     want_value = float(_analytic_loss(A))
@@ -108,23 +119,13 @@ def test_gradient_is_unbiased_against_the_closed_form(estimator, stl):
 
 def test_sticking_the_landing_vanishes_at_the_target():
     """Where q = p exactly, the STL gradient is zero sample by sample (solver error
-    aside), while the plain estimator's is zero only in expectation."""
+    aside), while the plain estimator's is zero only in expectation. The programs
+    are the gradient test's, toward the flow's own covariance."""
     cov = _flow_cov(A)
-
-    def own(x):
-        return LOG_Z + _gaussian_log_prob(x, cov)
-
-    placeholder = jnp.zeros((64, 0))
     norms = {}
     for stl in (True, False):
-        objective = cnftrace.ReverseKL(
-            own, estimator=cnftrace.Exact(), stick_the_landing=stl, tolerance=None
-        )
-
-        def loss(a, objective=objective):
-            return objective.loss(_linear_flow(a), placeholder, None, jr.key(0))[0]
-
-        norms[stl] = float(jnp.abs(jax.jit(jax.grad(loss))(A)).max())
+        _, grad = _value_and_grad(A, jr.key(0), cov, estimator="exact", stl=stl)
+        norms[stl] = float(jnp.abs(grad).max())
     assert norms[True] < 1e-6 and norms[False] > 1e-2, norms
 
 
