@@ -484,7 +484,10 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
     # error estimate, a sum that cancels to about the tolerance, so two programs
     # that round it differently, even of one adjoint, can differ by 1e-7; with one
     # block, 2 checkpoints' counted and plain gradients do, with two they agree to
-    # rounding.
+    # rounding. Here each counted gradient agrees with the plain one to about 1e-10
+    # of its largest entry (3e-10 with the suite's XLA flags, which compile the two
+    # programs' loops differently); a counter that touched the gradient would move
+    # it far more.
     chain = cnftrace.Chain(
         [
             small_flow(
@@ -524,5 +527,6 @@ def test_backward_nfe_counter_counts_vjps_and_leaves_gradients_alone():
         else:  # `_loss` is the mean log-density: minus `loss`
             plain = jax.tree.map(jnp.negative, _grad_loss(flow, x))
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
-            # Equal up to the rounding of differently fused XLA code.
-            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-16)
+            # Equal up to the rounding of differently compiled XLA code.
+            scale = float(np.max(np.abs(b)))
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9 * scale)
