@@ -522,7 +522,9 @@ def architecture(flow) -> dict:
 def cnftrace_default(target: Target, steps: int, test, seed: int = 0) -> dict:
     """The README's recipe on `target` with `fit`'s defaults (only `steps` given):
     training seconds (compile included), the exact-trace gap, and the recipe the
-    defaults picked (the batch is read off the sizes `fit` asks the sampler for)."""
+    defaults picked (the objective `fit` chose for the dimension, and the batch, read
+    off the sizes `fit` asks the sampler for)."""
+    chosen = cnftrace.default_recipe(target.dim)
     model_key, train_key = jr.split(jr.key(seed))
     flow = cnftrace.mlp_flow(target.dim, key=model_key)
     sizes = set()
@@ -538,7 +540,8 @@ def cnftrace_default(target: Target, steps: int, test, seed: int = 0) -> dict:
     )
     train_s = time.perf_counter() - start
     gap, se = gap_and_se(target, test, cnftrace_log_prob(trained, test))
-    recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
+    recipe = dict(architecture(flow), objective=chosen.objective, steps=steps)
+    recipe["batch"] = max(sizes)
     recipe["sampler_sizes"] = sorted(sizes)  # fit's shape check asks for 2 first
     return {
         "system": f"cnftrace {cnftrace.__version__}",

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from .. import _defaults as defaults
-from .._defaults import cli_training, default_recipe
+from .._defaults import cli_training, default_width, width_reason
 from .._io import FileKindError, read_regular_file
 from ..datasets import TABULAR_DATASETS, TOY_DATASETS, UCI_DATASETS, DataFile
 from ..datasets._sources import ALL_DATASETS, DIRECTORY_DATASETS
@@ -445,16 +445,17 @@ class RunConfig:
     def for_data(
         self, dim: int, rows: int | None, run: "RunConfig | None" = None
     ) -> "RunConfig":
-        """The width filled in from [`default_recipe`][cnftrace.default_recipe] for
-        the data's dimension `dim` and training `rows` (`None`: samples without
-        end), with `recipe` saying why; or from the `run` being resumed, so that it
-        resumes as it began."""
+        """The width filled in from [`default_recipe`][cnftrace.default_recipe]'s
+        rule for the data's dimension `dim` and training `rows` (`None`: samples
+        without end), with `recipe` saying why; or from the `run` being resumed, so
+        that it resumes as it began."""
         if self.width is not None:
             return self
         if run is not None and run.width is not None:
             return dataclasses.replace(self, width=run.width, recipe=run.recipe)
-        chosen = default_recipe(dim, rows)
-        return dataclasses.replace(self, width=chosen.width, recipe=chosen.reason)
+        return dataclasses.replace(
+            self, width=default_width(dim, rows), recipe=width_reason(dim, rows)
+        )
 
     def base_to_fit(self, run: "RunConfig | None" = None) -> str:
         """The kind of base this run fits: the flag's, else the resumed `run`'s, else

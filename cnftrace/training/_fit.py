@@ -5,7 +5,9 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,14 @@ from tqdm.auto import tqdm
 
 from .._checks import check_int
 from .._custom_types import Key
-from .._defaults import BATCH_SIZE, MAX_FAILURES, STEPS
+from .._defaults import (
+    BATCH_SIZE,
+    FM_STEPS,
+    MAX_FAILURES,
+    STEPS,
+    default_objective,
+    objective_rule,
+)
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective, ReverseKL
 from ..store import CheckpointError, _history
@@ -75,7 +84,7 @@ def fit(
     steps: int | None = None,
     seconds: float | None = None,
     batch_size: int = BATCH_SIZE,
-    objective: str | AbstractObjective = "mle",
+    objective: str | AbstractObjective | None = None,
     optimizer: optax.GradientTransformation | None = None,
     context: Float[Array, "n context"] | None = None,
     validation: Validation | Float[Array, "n ..."] | None = None,
@@ -86,8 +95,9 @@ def fit(
     log_every: int = 1,
     on_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
-    """Trains `flow` by maximum likelihood (the default), flow matching, toward an
-    unnormalised density (`target=`), or by any other objective: a loop over
+    """Trains `flow` by maximum likelihood (the default), flow matching (the default
+    from 20 dimensions on samples without end), toward an unnormalised density
+    (`target=`), or by any other objective: a loop over
     [`Trainer`][cnftrace.Trainer]'s step.
 
     **Arguments:**
@@ -101,16 +111,21 @@ def fit(
     - `target`: train toward this unnormalised log-density `(n, *event) -> (n,)`
         by [`ReverseKL`][cnftrace.ReverseKL]`(target)`; give no `data` nor
         `objective`.
-    - `steps`: the total number of optimiser steps, 1000 by default; with
-        `seconds`, a cap (`None`: none).
+    - `steps`: the total number of optimiser steps, 1000 by default (40,000 where
+        `fit` chooses flow matching, whose steps are cheap); with `seconds`, a cap
+        (`None`: none).
     - `seconds`: a time budget: train until this many seconds of steps (and their
         compilation) are spent, on
         [`budget_cosine_adam`][cnftrace.budget_cosine_adam]`(3e-3)` unless an
         `optimizer` is given; a resumed run goes on with those left.
     - `batch_size`: samples per step.
-    - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`,
-        the default), `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]),
-        or any [`AbstractObjective`][cnftrace.AbstractObjective].
+    - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`),
+        `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]), or any
+        [`AbstractObjective`][cnftrace.AbstractObjective]. By default (`None`),
+        `"fm"` where `data` is a function of 20 dimensions or more and the flow can
+        be trained by flow matching (a likelihood step solves the ODE, a
+        flow-matching step evaluates the field once: from there the cheap steps
+        reach a closer density sooner; `fit` says so in one line), else `"mle"`.
     - `optimizer`: an optax optimiser; by default (without `seconds`)
         [`warmup_cosine_adam`][cnftrace.warmup_cosine_adam]`(steps, 3e-3)`.
     - `context`: for a conditional flow with array data, one context row per
@@ -153,8 +168,21 @@ def fit(
         ```
     """
     seconds = check_seconds(seconds)
-    if seconds is None and steps is None:
-        steps = STEPS
+    by_default = objective is None
+    objective = _objective_of(target, objective, data, flow)
+    chose_fm = by_default and objective == "fm"
+    default_length = seconds is None and steps is None
+    if default_length:
+        steps = FM_STEPS if chose_fm else STEPS
+    if chose_fm and progress:
+        dim = math.prod(flow.event_shape)
+        length = f" for {steps:,} steps" if default_length else ""
+        print(
+            f"fit: {dim} dimensions from a function: trains by flow matching{length} "
+            f"({objective_rule()}; pass `objective=` to choose)",
+            file=sys.stderr,
+            flush=True,
+        )
     steps = None if steps is None else check_int("steps", steps)
     if seconds is not None and jax.process_count() > 1:
         raise ValueError(
@@ -164,7 +192,6 @@ def fit(
     log_every = check_int("log_every", log_every)
     max_failures = check_int("max_failures", max_failures)
     checkpoints = checked_arguments(flow, checkpoints)
-    objective = _objective_of(target, objective, data)
     trainer = Trainer(
         data,
         key=key,
@@ -197,11 +224,16 @@ def fit(
             loop.log.close()
 
 
-def _objective_of(target, objective, data) -> str | AbstractObjective:
-    """`objective`, or `ReverseKL(target)` for `fit(..., target=...)`."""
+def _objective_of(target, objective, data, flow) -> str | AbstractObjective:
+    """`objective`; `ReverseKL(target)` for `fit(..., target=...)`; where none is
+    given, the default for `data` and `flow` (`default_objective`)."""
     if target is None:
-        return objective
-    if not (isinstance(objective, str) and objective == "mle"):
+        if objective is not None:
+            return objective
+        trainable = flow.composes_blocks and not any(b.learn_t1 for b in flow.blocks)
+        sampler = callable(data) and trainable
+        return default_objective(math.prod(flow.event_shape), sampler)
+    if objective not in (None, "mle"):
         raise ValueError(
             "pass either `target=` (reverse KL with its defaults) or `objective=`; "
             "for other settings, `objective=cnftrace.ReverseKL(target, ...)`."

@@ -146,8 +146,16 @@ def cnftrace_curve(
         fm_s, fm_steps = fm["seconds"][-1], fm["step"][-1]
     trained, train_s, steps, calibration_s, wall_s = flow, fm_s, 0, 0.0, 0.0
     if fm_share < 1:
+        # After flow matching, maximum likelihood by name: from 20 dimensions
+        # `fit`'s default is flow matching itself.
         trained, history, every, calibration_s, wall_s = _likelihood_phase(
-            flow, sample, train_key, points, seconds - fm_s, every
+            flow,
+            sample,
+            train_key,
+            points,
+            seconds - fm_s,
+            every,
+            objective="mle" if fm_share > 0 else None,
         )
         curve += _curve(history, true_nll, fm_s, fm_steps)[1 if fm_steps else 0 :]
         steps, train_s = history["step"][-1], fm_s + history["seconds"][-1]
@@ -171,10 +179,11 @@ def cnftrace_curve(
     )
 
 
-def _likelihood_phase(flow, sample, key, points, seconds: float, every):
-    """`fit`'s default maximum likelihood for `seconds`, validated on `points` every
-    `every` steps (`None`: calibrated); the trained flow, its history, `every`,
-    and the calibration's and the run's wall seconds."""
+def _likelihood_phase(flow, sample, key, points, seconds: float, every, objective=None):
+    """`fit`'s defaults (its default objective unless `objective` is given) for
+    `seconds`, validated on `points` every `every` steps (`None`: calibrated); the
+    trained flow, its history, `every`, and the calibration's and the run's wall
+    seconds."""
     start = time.perf_counter()
     if every is None:
         _, calibration = cnftrace.fit(
@@ -183,6 +192,7 @@ def _likelihood_phase(flow, sample, key, points, seconds: float, every):
             key=key,
             seconds=seconds,
             steps=CALIBRATION_STEPS,
+            objective=objective,
             progress=False,
         )
         every = validation_every(calibration["seconds"], seconds)
@@ -193,6 +203,7 @@ def _likelihood_phase(flow, sample, key, points, seconds: float, every):
         sample,
         key=key,
         seconds=seconds,
+        objective=objective,
         validation=cnftrace.Validation(points, every=every),
         progress=progress(),
     )

@@ -31,3 +31,43 @@ def test_default_recipe_reaches_the_quality_bar_in_300_steps():
     assert -3 * se < gap < 0.04, (gap, se)
     # The training tolerance of 1e-3 keeps the solves cheap; the flow keeps 1e-5.
     assert history["nfe"][-1] < 40 and flow.rtol == 1e-5
+
+
+def test_the_objective_follows_the_dimension_and_the_data(capsys):
+    """From 20 dimensions, samples without end train by flow matching for 40,000
+    steps by default (a likelihood step solves the ODE, a flow-matching step
+    evaluates the field once); a table, a lower dimension, a flow that learns its
+    end time and an objective given by name keep what they had, and `fit` says so
+    in one line only where it chose flow matching."""
+    from cnftrace._defaults import FM_FROM_DIM, FM_STEPS, STEPS
+    from cnftrace.training._fit import _objective_of
+
+    for dim, rows, objective, steps in (
+        (FM_FROM_DIM - 1, None, "mle", STEPS),
+        (FM_FROM_DIM, None, "fm", FM_STEPS),
+        (40, None, "fm", FM_STEPS),
+        (40, 100_000, "mle", STEPS),
+    ):
+        recipe = cnftrace.default_recipe(dim, rows=rows)
+        assert (recipe.objective, recipe.steps) == (objective, steps), (dim, rows)
+        assert ("flow matching" in recipe.reason) == (objective == "fm")
+
+    dim = FM_FROM_DIM
+    sampler = lambda key, n: jr.normal(key, (n, dim))  # noqa: E731
+    flow = cnftrace.CNF(cnftrace.MLPField(dim, width=8, depth=1, key=jr.key(0)), dim)
+    learns_t1 = cnftrace.CNF(
+        cnftrace.MLPField(dim, width=8, depth=1, key=jr.key(0)), dim, learn_t1=True
+    )
+    assert _objective_of(None, None, sampler, flow) == "fm"
+    assert _objective_of(None, None, np.zeros((8, dim)), flow) == "mle"
+    assert _objective_of(None, None, sampler, learns_t1) == "mle"
+    assert _objective_of(None, "mle", sampler, flow) == "mle"
+
+    # One flow-matching step evaluates the field once (NFE 1; a solve takes more).
+    _, history = cnftrace.fit(flow, sampler, key=jr.key(1), steps=2, batch_size=16)
+    assert history["nfe"][-1] == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if "fit:" in line]
+    assert len(said) == 1 and f"{dim} dimensions" in said[0], said
+    assert "flow matching" in said[0] and "steps" not in said[0].split("(")[0]
+    cnftrace.fit(flow, sampler, key=jr.key(1), steps=2, batch_size=16, objective="fm")
+    assert "fit:" not in capsys.readouterr().err
