@@ -168,6 +168,7 @@ def fit(
         ```
     """
     seconds = check_seconds(seconds)
+    checkpoints = checked_arguments(flow, checkpoints)
     by_default = objective is None
     objective = _objective_of(target, objective, data, flow)
     chose_fm = by_default and objective == "fm"
@@ -191,7 +192,6 @@ def fit(
         )
     log_every = check_int("log_every", log_every)
     max_failures = check_int("max_failures", max_failures)
-    checkpoints = checked_arguments(flow, checkpoints)
     trainer = Trainer(
         data,
         key=key,
