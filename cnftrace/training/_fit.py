@@ -24,14 +24,14 @@ from .._checks import check_int
 from .._custom_types import Key
 from .._defaults import (
     BATCH_SIZE,
-    FM_STEPS,
     MAX_FAILURES,
     STEPS,
     default_objective,
+    default_steps,
     objective_rule,
 )
 from ..flows import AbstractFlow
-from ..objectives import AbstractObjective, ReverseKL
+from ..objectives import AbstractObjective, FlowMatching, ReverseKL
 from ..store import CheckpointError, _history
 from ..store._checkpoint import (
     key_to_data,
@@ -174,7 +174,15 @@ def fit(
     chose_fm = by_default and objective == "fm"
     default_length = seconds is None and steps is None
     if default_length:
-        steps = FM_STEPS if chose_fm else STEPS
+        steps = default_steps(objective) if by_default else STEPS
+    steps = None if steps is None else check_int("steps", steps)
+    if seconds is not None and jax.process_count() > 1:
+        raise ValueError(
+            "`seconds` stops on this process's clock, which the other processes do "
+            "not share: train a multi-process run for a number of `steps`."
+        )
+    log_every = check_int("log_every", log_every)
+    max_failures = check_int("max_failures", max_failures)
     if chose_fm and progress:
         dim = math.prod(flow.event_shape)
         length = f" for {steps:,} steps" if default_length else ""
@@ -184,14 +192,6 @@ def fit(
             file=sys.stderr,
             flush=True,
         )
-    steps = None if steps is None else check_int("steps", steps)
-    if seconds is not None and jax.process_count() > 1:
-        raise ValueError(
-            "`seconds` stops on this process's clock, which the other processes do "
-            "not share: train a multi-process run for a number of `steps`."
-        )
-    log_every = check_int("log_every", log_every)
-    max_failures = check_int("max_failures", max_failures)
     trainer = Trainer(
         data,
         key=key,
@@ -230,8 +230,7 @@ def _objective_of(target, objective, data, flow) -> str | AbstractObjective:
     if target is None:
         if objective is not None:
             return objective
-        trainable = flow.composes_blocks and not any(b.learn_t1 for b in flow.blocks)
-        sampler = callable(data) and trainable
+        sampler = callable(data) and _flow_matches(flow)
         return default_objective(math.prod(flow.event_shape), sampler)
     if objective not in (None, "mle"):
         raise ValueError(
@@ -245,6 +244,15 @@ def _objective_of(target, objective, data, flow) -> str | AbstractObjective:
             "`objective=cnftrace.ReverseKL(target, forward_weight=...)`."
         )
     return ReverseKL(target)
+
+
+def _flow_matches(flow: AbstractFlow) -> bool:
+    """Whether flow matching can train `flow`, by the objective's own check."""
+    try:
+        FlowMatching().check(flow)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _say_lost_history(path: str, step: int, steps: list[int], logged: int) -> None:
