@@ -45,7 +45,7 @@ from ._optim import default_optimizer
 from ._options import Checkpoints, Validation, checked_arguments, checked_validation
 from ._parallel import MeshSpec, check_same_on_all_processes, is_main_process
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
-from ._trainer import DataSource, Trainer, jitted_step_donating
+from ._trainer import DataSource, LoopStep, Trainer
 
 
 def checkpoint_config(
@@ -408,13 +408,14 @@ class _Loop:
                     )
 
         previous = None  # with a budget, the last step's info: the clock waits for it
+        step = LoopStep(self.trainer, self.state)
         try:
             for i in bar:
                 done = i + 1
                 if budget is not None:  # the schedule's share of the budget spent
                     spent = clock() / budget
                     self.state = with_spent(self.state, spent)
-                self.state, info = jitted_step_donating(self.trainer, self.state)
+                self.state, info = step(self.state)
                 if budget is not None:
                     info = dict(info, budget=budget, budget_spent=spent)
                 if pending is not None:

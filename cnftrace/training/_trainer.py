@@ -396,6 +396,50 @@ def _train_step(trainer: Trainer, state: TrainState):
     return state, info
 
 
-# `fit` never reuses a state, so its step donates the state's buffers.
 jitted_step = eqx.filter_jit(_train_step)
-jitted_step_donating = eqx.filter_jit(_train_step, donate="all-except-first")
+
+
+class LoopStep:
+    """`trainer`'s step for a loop that replaces its state at every step, as `fit`'s
+    does: `step(state)` returns `(state, info)` like `jitted_step(trainer, state)`,
+    and donates the buffers of the state it is given.
+
+    `eqx.filter_jit` splits both of its arguments into arrays and the rest at every
+    call, which costs about as much as a small flow's whole step. Here the trainer
+    is split once, and a call flattens only the state and hands its arrays to
+    `jax.jit` as a list (the loop Equinox's documentation advises for small steps).
+    The state's other leaves (functions, settings) are the ones `state` had when
+    the step was built; the compiled step checks that it returns them unchanged.
+    """
+
+    def __init__(self, trainer: Trainer, state: TrainState):
+        trainer_arrays, trainer_rest = eqx.partition(trainer, eqx.is_array)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        keep = [eqx.is_array(leaf) for leaf in leaves]
+        rest = [None if k else leaf for leaf, k in zip(leaves, keep, strict=True)]
+
+        def rebuild(arrays) -> TrainState:
+            it = iter(arrays)
+            merged = [next(it) if k else r for k, r in zip(keep, rest, strict=True)]
+            return jax.tree_util.tree_unflatten(treedef, merged)
+
+        def train_step(trainer_arrays, arrays):
+            trainer = eqx.combine(trainer_arrays, trainer_rest)
+            new, info = _train_step(trainer, rebuild(arrays))
+            out, out_treedef = jax.tree_util.tree_flatten(new)
+            same = out_treedef == treedef and all(
+                o is r or o == r for o, r, k in zip(out, rest, keep) if not k
+            )
+            if not same or not all(eqx.is_array(o) for o, k in zip(out, keep) if k):
+                raise AssertionError("a training step changed the state's structure")
+            return [o for o, k in zip(out, keep) if k], info
+
+        self._trainer_arrays = trainer_arrays
+        self._treedef, self._keep, self._rebuild = treedef, keep, rebuild
+        self._step = jax.jit(train_step, donate_argnums=1)
+
+    def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
+        leaves = self._treedef.flatten_up_to(state)
+        arrays = [leaf for leaf, k in zip(leaves, self._keep) if k]
+        arrays, info = self._step(self._trainer_arrays, arrays)
+        return self._rebuild(arrays), info

@@ -62,6 +62,9 @@ from experiments._common import (
 
 DIMS = (2, 5, 10, 20, 40)
 PEERS = ("nsf", "cnf")
+# How the recipe column names the objective `fit` chose (rows without one predate
+# the choice and are maximum likelihood).
+OBJECTIVES = {"mle": "", "fm": "flow matching, "}
 FILES = tuple(TABLES)
 
 
@@ -122,7 +125,8 @@ def dims_markdown(res: dict) -> str:
         seed = row.get("seed", 0)
         cells = [
             row["dim"] if seed == 0 else f"{row['dim']} (key {seed})",
-            f"{r['width']}×{r['depth']}, {r['steps']} × {r['batch']}",
+            f"{r['width']}×{r['depth']}, {OBJECTIVES[r.get('objective', 'mle')]}"
+            f"{r['steps']} × {r['batch']}",
             _gap(ours),
             f"{ours['train_s']:.0f}",
         ]

@@ -255,8 +255,11 @@ def test_fit_logs_each_step_from_its_own_counters(monkeypatch):
     """`fit` logs a step once the next one is dispatched (its state is then donated):
     every record and failure check must come from that step's own counters."""
     calls, records = [], []
+    scripted = _scripted_step({3, 4}, calls)
     monkeypatch.setattr(
-        cnftrace.training._fit, "jitted_step_donating", _scripted_step({3, 4}, calls)
+        cnftrace.training._fit,
+        "LoopStep",
+        lambda trainer, _: lambda state: scripted(trainer, state),
     )
     run = lambda **kw: cnftrace.fit(  # noqa: E731
         _flow(jr.key(8)), _gaussian, key=jr.key(1), batch_size=BATCH,
