@@ -102,13 +102,15 @@ def gap_vs_dimension(plt, dims_rows: dict):
                 color=COLORS[label],
             )  # fmt: skip
     for r in rows:
-        steps = r["cnftrace"]["recipe"]["steps"]
-        if steps != 2000:
+        recipe = r["cnftrace"]["recipe"]
+        fm = recipe.get("objective") == "fm"
+        if recipe["steps"] != 2000 or fm:
             ax.annotate(
-                f"{steps} steps",
+                f"{'flow matching, ' if fm else ''}{recipe['steps']:,} steps",
                 (r["dim"], r["cnftrace"]["gap"]),
                 textcoords="offset points",
-                xytext=(-60, -4),
+                xytext=(-8, -4),
+                ha="right",
                 fontsize=8,
             )
     ax.set_xscale("log")
