@@ -494,6 +494,13 @@ def cnftrace_log_prob(flow, test, chunk: int = 2000) -> np.ndarray:
     return cnftrace.log_prob_batched(flow, test, batch_size=chunk)
 
 
+def trained_by(recipe: dict) -> str:
+    """`"flow matching, "` where a row's cnftrace `recipe` trained by flow matching,
+    else `""`: how the tables and plots name `fit`'s choice (rows without an
+    `objective` predate it and are maximum likelihood)."""
+    return "flow matching, " if recipe.get("objective") == "fm" else ""
+
+
 def architecture(flow) -> dict:
     """What a flow's default model turned out to be: the number of blocks, and the
     first block's field type, hidden widths and depth (read off its linear layers:

@@ -26,6 +26,7 @@ from experiments._common import (
     figure_bytes,
     gap_axes,
     plain_numbers,
+    trained_by,
 )
 
 
@@ -103,10 +104,9 @@ def gap_vs_dimension(plt, dims_rows: dict):
             )  # fmt: skip
     for r in rows:
         recipe = r["cnftrace"]["recipe"]
-        fm = recipe.get("objective") == "fm"
-        if recipe["steps"] != 2000 or fm:
+        if recipe["steps"] != 2000 or trained_by(recipe):
             ax.annotate(
-                f"{'flow matching, ' if fm else ''}{recipe['steps']:,} steps",
+                f"{trained_by(recipe)}{recipe['steps']:,} steps",
                 (r["dim"], r["cnftrace"]["gap"]),
                 textcoords="offset points",
                 xytext=(-8, -4),

@@ -428,9 +428,10 @@ class LoopStep:
             new, info = _train_step(trainer, rebuild(arrays))
             out, out_treedef = jax.tree_util.tree_flatten(new)
             same = out_treedef == treedef and all(
-                o is r or o == r for o, r, k in zip(out, rest, keep) if not k
+                eqx.is_array(o) if k else not eqx.is_array(o) and (o is r or o == r)
+                for o, r, k in zip(out, rest, keep, strict=True)
             )
-            if not same or not all(eqx.is_array(o) for o, k in zip(out, keep) if k):
+            if not same:
                 raise AssertionError("a training step changed the state's structure")
             return [o for o, k in zip(out, keep) if k], info
 

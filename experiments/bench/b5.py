@@ -55,6 +55,7 @@ from experiments._common import (
     load_results,
     markdown_table,
     summary,
+    trained_by,
     write_csv,
     zuko_at_seconds,
     zuko_peer_module,
@@ -62,9 +63,6 @@ from experiments._common import (
 
 DIMS = (2, 5, 10, 20, 40)
 PEERS = ("nsf", "cnf")
-# How the recipe column names the objective `fit` chose (rows without one predate
-# the choice and are maximum likelihood).
-OBJECTIVES = {"mle": "", "fm": "flow matching, "}
 FILES = tuple(TABLES)
 
 
@@ -125,8 +123,7 @@ def dims_markdown(res: dict) -> str:
         seed = row.get("seed", 0)
         cells = [
             row["dim"] if seed == 0 else f"{row['dim']} (key {seed})",
-            f"{r['width']}×{r['depth']}, {OBJECTIVES[r.get('objective', 'mle')]}"
-            f"{r['steps']} × {r['batch']}",
+            f"{r['width']}×{r['depth']}, {trained_by(r)}{r['steps']} × {r['batch']}",
             _gap(ours),
             f"{ours['train_s']:.0f}",
         ]
