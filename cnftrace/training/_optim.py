@@ -1,8 +1,13 @@
 """The optimiser of `fit` and the command line: Adam on a warmup-cosine schedule
 (over the run's steps, or over its time budget), gradients clipped."""
 
+import functools
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
+from jaxtyping import Array
 
 from .._checks import check_int
 from .._defaults import CLIP, CONSTANT_LR, LR, LR_END_DIVISOR, WARMUP
@@ -20,7 +25,7 @@ def default_optimizer(
     if seconds is not None:
         return budget_cosine_adam(LR)
     if steps is None:
-        return optax.adam(CONSTANT_LR)
+        return _constant_adam(CONSTANT_LR)
     return warmup_cosine_adam(steps, LR)
 
 
@@ -36,7 +41,9 @@ def warmup_cosine_adam(
     """Adam (AdamW with `weight_decay`) on a schedule: a linear warmup from 0 to
     `lr`, then a cosine decay to `end_factor * lr` (`lr / 20` by default) at step
     `steps`, held there after; the gradient's global norm clipped at `clip` first
-    (`None`: no clipping).
+    (`None`: no clipping). The warmup and the horizon are held in the optimiser's
+    state, not in the compiled program, so that runs of different lengths share
+    their compiled step; the same arguments give the same optimiser object.
 
     **Arguments:**
 
@@ -56,19 +63,60 @@ def warmup_cosine_adam(
     """
     steps = check_int("steps", steps)
     warmup = min(WARMUP, max(1, steps // 4)) if warmup is None else warmup
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        lr,
-        warmup_steps=warmup,
-        decay_steps=max(steps, 2),
-        end_value=lr / LR_END_DIVISOR if end_factor is None else lr * end_factor,
-    )
-    adam = (
-        optax.adamw(schedule, weight_decay=weight_decay, mask=_outside_bases)
-        if weight_decay
-        else optax.adam(schedule)
-    )
-    return adam if clip is None else optax.chain(optax.clip_by_global_norm(clip), adam)
+    warmup = check_int("warmup", warmup, low=0)
+    horizon = max(steps, 2)
+    if warmup >= horizon:
+        raise ValueError(
+            f"`warmup` ({warmup}) must be shorter than the schedule's {horizon} "
+            "steps: pass fewer warmup steps, or more `steps`."
+        )
+    end = lr / LR_END_DIVISOR if end_factor is None else lr * end_factor
+    return _shared(_horizon_adam, lr, warmup, horizon, end, clip, weight_decay)
+
+
+class HorizonState(NamedTuple):
+    """The state of `warmup_cosine_adam`'s schedule: the steps taken, and the
+    warmup and the horizon as arrays rather than constants of the program, so
+    that runs of different lengths share one compiled step."""
+
+    count: Array
+    warmup: Array
+    horizon: Array
+
+
+def horizon_rate(count, warmup, horizon, lr: float, end: float):
+    """optax's `warmup_cosine_decay_schedule(0, lr, warmup, horizon, end)` at step
+    `count`, with `warmup` and `horizon` given as integer arrays: a linear warmup
+    from 0 to `lr` over `warmup` steps, then a cosine decay to `end` at step
+    `horizon`, held there after."""
+    dtype = jnp.result_type(float)  # float64 where x64 is on, not int32's float32
+    done = jnp.clip(count, 0, warmup).astype(dtype)
+    rising = -lr * (1 - done / jnp.maximum(warmup, 1).astype(dtype)) + lr
+    decay = (horizon - warmup).astype(dtype)
+    since = jnp.minimum(count - warmup, decay)
+    cosine = 0.5 * (1 + jnp.cos(jnp.pi * since / decay))
+    alpha = end / lr if lr else 0.0
+    falling = lr * ((1 - alpha) * cosine + alpha)
+    return jnp.where(count < warmup, rising, falling)
+
+
+def scale_by_horizon(
+    lr: float, warmup: int, horizon: int, end: float
+) -> optax.GradientTransformation:
+    """Updates scaled by `-horizon_rate(...)` at the step count its state holds."""
+
+    def init(params):
+        del params
+        as_array = functools.partial(jnp.asarray, dtype=jnp.int32)
+        return HorizonState(as_array(0), as_array(warmup), as_array(horizon))
+
+    def update(updates, state, params=None):
+        del params
+        rate = -horizon_rate(state.count, state.warmup, state.horizon, lr, end)
+        updates = jax.tree_util.tree_map(lambda u: rate.astype(u.dtype) * u, updates)
+        return updates, state._replace(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
 
 
 def budget_cosine_adam(
@@ -97,11 +145,46 @@ def budget_cosine_adam(
     """
     warmup = check_int("warmup", warmup)
     end = lr / LR_END_DIVISOR if end_factor is None else lr * end_factor
-    # `optax.adam` and `optax.adamw`, with the budget's rate in place of theirs.
+    return _shared(_budget_adam, lr, warmup, end, clip, weight_decay)
+
+
+def _shared(build, *settings) -> optax.GradientTransformation:
+    """`build(*settings)`, the same object for the same settings: an optimiser is
+    part of what `fit`'s compiled step is keyed on, and two objects of the same
+    settings would have their steps traced and compiled twice (settings that are
+    not hashable, such as an array, get an optimiser of their own)."""
+    try:
+        hash(settings)
+    except TypeError:
+        return build.__wrapped__(*settings)
+    return build(*settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _horizon_adam(lr, warmup, horizon, end, clip, weight_decay):
+    return _adam_on(scale_by_horizon(lr, warmup, horizon, end), clip, weight_decay)
+
+
+@functools.lru_cache(maxsize=64)
+def _budget_adam(lr, warmup, end, clip, weight_decay):
+    return _adam_on(scale_by_budget(lr, warmup, end), clip, weight_decay)
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_adam(lr):
+    return optax.adam(lr)
+
+
+def _adam_on(
+    schedule: optax.GradientTransformation, clip: float | None, weight_decay: float
+) -> optax.GradientTransformation:
+    """Adam (AdamW with `weight_decay`, bases left out) with its rate from
+    `schedule`, the gradient's global norm clipped at `clip` first: optax's
+    `adam` and `adamw` with a schedule of our own in place of theirs."""
     parts = [optax.scale_by_adam()]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay, _outside_bases))
-    parts.append(scale_by_budget(lr, warmup, end))
+    parts.append(schedule)
     if clip is not None:
         parts.insert(0, optax.clip_by_global_norm(clip))
     return optax.chain(*parts)

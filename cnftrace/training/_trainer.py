@@ -399,6 +399,62 @@ def _train_step(trainer: Trainer, state: TrainState):
 jitted_step = eqx.filter_jit(_train_step)
 
 
+class _Layout:
+    """What `LoopStep`'s compiled step takes as given rather than as arguments: the
+    trainer's non-array parts and the state's structure and non-array leaves.
+
+    A static argument of `jax.jit`, so that two runs whose layouts are equal (the
+    same flow, objective, optimiser object and data source: a run repeated, a run
+    resumed) share one traced and compiled step. `jax.jit` hashes and compares a
+    static argument at every call: the hash is computed once, and a layout compared
+    with itself is equal at once."""
+
+    def __init__(self, trainer_rest, treedef, keep, rest):
+        self.parts = (trainer_rest, treedef, tuple(keep), tuple(rest))
+        try:
+            self._hash = hash(self.parts)
+        except TypeError:  # an unhashable leaf: this layout equals itself only
+            self._hash = id(self)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Layout) or self._hash != other._hash:
+            return False
+        try:
+            return bool(self.parts == other.parts)
+        except Exception:  # a leaf whose comparison is not a bool
+            return False
+
+    def rebuild(self, arrays) -> TrainState:
+        _, treedef, keep, rest = self.parts
+        it = iter(arrays)
+        merged = [next(it) if k else r for k, r in zip(keep, rest, strict=True)]
+        return jax.tree_util.tree_unflatten(treedef, merged)
+
+
+def loop_step(layout: _Layout, trainer_arrays, arrays):
+    """`_train_step` on the arrays of a trainer and a state split by `layout`; the
+    new state's arrays, and the step's record."""
+    trainer_rest, treedef, keep, rest = layout.parts
+    trainer = eqx.combine(trainer_arrays, trainer_rest)
+    new, info = _train_step(trainer, layout.rebuild(arrays))
+    out, out_treedef = jax.tree_util.tree_flatten(new)
+    same = out_treedef == treedef and all(
+        eqx.is_array(o) if k else not eqx.is_array(o) and (o is r or o == r)
+        for o, r, k in zip(out, rest, keep, strict=True)
+    )
+    if not same:
+        raise AssertionError("a training step changed the state's structure")
+    return [o for o, k in zip(out, keep) if k], info
+
+
+_jitted_loop_step = jax.jit(loop_step, static_argnums=0, donate_argnums=2)
+
+
 class LoopStep:
     """`trainer`'s step for a loop that replaces its state at every step, as `fit`'s
     does: `step(state)` returns `(state, info)` like `jitted_step(trainer, state)`,
@@ -417,30 +473,13 @@ class LoopStep:
         leaves, treedef = jax.tree_util.tree_flatten(state)
         keep = [eqx.is_array(leaf) for leaf in leaves]
         rest = [None if k else leaf for leaf, k in zip(leaves, keep, strict=True)]
-
-        def rebuild(arrays) -> TrainState:
-            it = iter(arrays)
-            merged = [next(it) if k else r for k, r in zip(keep, rest, strict=True)]
-            return jax.tree_util.tree_unflatten(treedef, merged)
-
-        def train_step(trainer_arrays, arrays):
-            trainer = eqx.combine(trainer_arrays, trainer_rest)
-            new, info = _train_step(trainer, rebuild(arrays))
-            out, out_treedef = jax.tree_util.tree_flatten(new)
-            same = out_treedef == treedef and all(
-                eqx.is_array(o) if k else not eqx.is_array(o) and (o is r or o == r)
-                for o, r, k in zip(out, rest, keep, strict=True)
-            )
-            if not same:
-                raise AssertionError("a training step changed the state's structure")
-            return [o for o, k in zip(out, keep) if k], info
-
         self._trainer_arrays = trainer_arrays
-        self._treedef, self._keep, self._rebuild = treedef, keep, rebuild
-        self._step = jax.jit(train_step, donate_argnums=1)
+        self._layout = _Layout(trainer_rest, treedef, keep, rest)
 
     def __call__(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
-        leaves = self._treedef.flatten_up_to(state)
-        arrays = [leaf for leaf, k in zip(leaves, self._keep) if k]
-        arrays, info = self._step(self._trainer_arrays, arrays)
-        return self._rebuild(arrays), info
+        layout = self._layout
+        _, treedef, keep, _ = layout.parts
+        leaves = treedef.flatten_up_to(state)
+        arrays = [leaf for leaf, k in zip(leaves, keep) if k]
+        arrays, info = _jitted_loop_step(layout, self._trainer_arrays, arrays)
+        return layout.rebuild(arrays), info

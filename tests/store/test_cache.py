@@ -24,7 +24,7 @@ PROBE = os.path.join(
     "cache_probe.py",
 )
 # The training step (one program) and the evaluation's program.
-STEP, EVAL = "jit_train_step", "jit__log_prob_nfe_result"
+STEP, EVAL = "jit_loop_step", "jit__log_prob_nfe_result"
 
 
 def _probe(cache_dir):

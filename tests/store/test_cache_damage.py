@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 TINY = ["--steps", "3", "--batch-size", "16", "--width", "8", "--depth", "1"]
 TINY += ["--no-progress", "--rtol", "1e-3", "--atol", "1e-3"]
-STEP = "jit_train_step-"
+STEP = "jit_loop_step-"
 # The settings of the suite's own cache, which a user's run does not have.
 SUITE_ONLY = (
     "JAX_COMPILATION_CACHE_DIR",

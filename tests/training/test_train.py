@@ -15,6 +15,7 @@ from _flows import small_flow
 import cnftrace
 from cnftrace import plot as cnftrace_plot
 from cnftrace.plot import plot_flow_2d
+from cnftrace.training._optim import horizon_rate
 
 
 def _flow(key, **kwargs):
@@ -60,19 +61,72 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     assert all(n > 0 for n in hist["nfe"])
     # The caller's flow is untouched (the step donates only copies).
     np.testing.assert_array_equal(cnftrace.evaluate_nll(flow, test).mean, before.mean)
-    # The same key gives the same run.
-    again, hist2 = cnftrace.fit(
-        flow,
-        _gaussian,
-        key=jr.key(1),
-        steps=60,
-        batch_size=BATCH,
-        optimizer=_ADAM,
-        progress=False,
-    )
+    # The same key gives the same run, with the first run's compiled step: nothing
+    # is lowered to XLA again.
+    lowered = []
+    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    listener = lambda name, *_, **__: lowered.append(name) if name == event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        again, hist2 = cnftrace.fit(
+            flow,
+            _gaussian,
+            key=jr.key(1),
+            steps=60,
+            batch_size=BATCH,
+            optimizer=_ADAM,
+            progress=False,
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert hist2["loss"] == hist["loss"]
+    assert lowered == []
     # The trained flow keeps its evaluation estimator (exact).
     assert isinstance(trained.estimator, cnftrace.Exact)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_warmup_cosine_schedule_is_the_closed_form_with_its_horizon_in_the_state(x64):
+    """The rate of `warmup_cosine_adam` at every step: a linear warmup from 0 to
+    `lr`, then a cosine to `end` at the horizon, held there (float64 to rounding;
+    in float32 the bits of optax's own schedule). Its warmup and horizon are arrays
+    of the state: runs of 5 and 500 steps lower one update program."""
+    lr, end = 3e-3, 3e-3 / 20
+    with jax.enable_x64(x64):
+        for steps, warmup in [(1, None), (7, None), (300, None), (300, 0), (10, 9)]:
+            opt = cnftrace.warmup_cosine_adam(steps, lr, warmup=warmup)
+            state = opt.init(jnp.zeros(3))[-1]  # the schedule's, after clip and Adam
+            w, h = int(state.warmup), int(state.horizon)
+            assert h == max(steps, 2) and w == (
+                min(50, max(1, steps // 4)) if warmup is None else warmup
+            )
+            count = jnp.arange(h + 5, dtype=jnp.int32)
+            on_counts = jax.vmap(horizon_rate, in_axes=(0, None, None, None, None))
+            rate = on_counts(count, state.warmup, state.horizon, lr, end)
+            c = np.arange(h + 5, dtype=np.float64)
+            cosine = (
+                end
+                + (lr - end)
+                * (1 + np.cos(np.pi * np.minimum(c - w, h - w) / (h - w)))
+                / 2
+            )
+            closed = np.where(c < w, lr * c / max(w, 1), cosine)
+            if x64:
+                np.testing.assert_allclose(rate, closed, rtol=1e-13, atol=0)
+            else:
+                schedule = optax.warmup_cosine_decay_schedule(0.0, lr, w, h, end)
+                np.testing.assert_array_equal(rate, jax.vmap(schedule)(count))
+                np.testing.assert_allclose(rate, closed, rtol=2e-6, atol=1e-12)
+        assert cnftrace.warmup_cosine_adam(5, lr) is cnftrace.warmup_cosine_adam(5, lr)
+        params = jnp.zeros(3)
+        texts = []
+        for steps in (5, 500):
+            opt = cnftrace.warmup_cosine_adam(steps, lr)
+            update = jax.jit(opt.update)
+            texts.append(update.lower(params, opt.init(params), params).as_text())
+        assert texts[0] == texts[1]
+    with pytest.raises(ValueError, match="`warmup`"):
+        cnftrace.warmup_cosine_adam(10, lr, warmup=10)
 
 
 def test_validation_returns_the_best_model_and_stops_early():
