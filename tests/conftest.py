@@ -139,16 +139,14 @@ def _optimized(request):
 
 
 # A worker's memory maps and resident memory beyond which its compiled programs are
-# dropped after a test file: every loaded XLA:CPU executable keeps a few hundred
-# memory maps (about 200 for a flow's `log_prob`, 500 for its gradient), and a
-# process that reaches the kernel's `vm.max_map_count` (65,530) crashes with a
-# segmentation fault in XLA's next compile. One test file added at most 12,500 maps
-# (the docstrings' examples; most add under 7,000), so a worker checked at 36,000
-# stays well under the kernel's limit; two workers of 6 GB fit the 24 GiB of the
-# machines the suite runs on. Each release costs 3-5 s and the recompiling of what
-# later files share, so the limits are as high as those margins allow.
-MAX_MAPS = 36_000
-MAX_RESIDENT = 6 * 2**30
+# dropped: every loaded XLA:CPU executable keeps a few hundred memory maps (about
+# 200 for a flow's `log_prob`, 500 for its gradient), and a process that reaches the
+# kernel's `vm.max_map_count` (65,530) crashes with a segmentation fault in XLA's
+# next compile; the executables also held each worker above 5 GB when none were
+# dropped. Higher limits (36,000 maps, 6 GB) released less often but did not shorten
+# the suite: 593 s against 584 s from a fresh clone, with more system time.
+MAX_MAPS = 20_000
+MAX_RESIDENT = 3 * 2**30
 
 
 @pytest.fixture(autouse=True, scope="module")
