@@ -68,7 +68,9 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     "Compiling once"). Programs that compile in under `MIN_COMPILE_SECONDS` are not
     stored, and the least recently used are deleted beyond `MAX_BYTES` (JAX's
     `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` and `JAX_COMPILATION_CACHE_MAX_SIZE`
-    override both). The command line, `make demo` and the tests call this at start.
+    override both); a directory already chosen for JAX keeps JAX's size setting, as
+    the other processes writing to it have it. The command line, `make demo` and the
+    tests call this at start.
 
     !!! example
 
@@ -99,7 +101,10 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         jax.config.update(
             "jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS
         )
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+    # A size limit only in a directory chosen here: JAX's eviction reads every
+    # entry's access-time file, which a process without a limit does not write, so
+    # a limit set by only some of a directory's writers stops every later write.
+    if chosen is None and "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     jax.config.update("jax_enable_compilation_cache", True)
     # JAX decides at its first compile whether the cache is used: start over.

@@ -106,6 +106,27 @@ def test_the_cache_directory_and_the_opt_out(tmp_path, monkeypatch, jax_cache_se
     assert cnftrace.enable_compilation_cache(str(tmp_path / "other")) == chosen
 
 
+def test_a_directory_chosen_for_jax_keeps_jaxs_size_setting(
+    tmp_path, monkeypatch, jax_cache_settings
+):
+    """The size limit goes only with a directory that `enable_compilation_cache`
+    chose: JAX's eviction reads each entry's access-time file, which a process
+    without a limit does not write, so a limit set by some of the processes writing
+    to a user's directory (JAX's default is none) would stop every later write."""
+    from cnftrace.store._cache import MAX_BYTES
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    jax.config.update("jax_compilation_cache_max_size", -1)
+    users = str(tmp_path / "users")
+    jax.config.update("jax_compilation_cache_dir", users)
+    assert cnftrace.enable_compilation_cache(str(tmp_path / "ours")) == users
+    assert jax.config.jax_compilation_cache_max_size == -1
+    jax.config.update("jax_compilation_cache_dir", None)
+    ours = str(tmp_path / "ours")
+    assert cnftrace.enable_compilation_cache(ours) == ours
+    assert jax.config.jax_compilation_cache_max_size == MAX_BYTES
+
+
 def test_a_bad_generated_batch_stops_training_naming_its_step():
     flow = small_flow(width=4, field=cnftrace.MLPField)
 
