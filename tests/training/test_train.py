@@ -1,5 +1,6 @@
 """fit, evaluate_nll and the 2-D plot, on tiny settings."""
 
+import functools
 import os
 
 import diffrax
@@ -46,7 +47,8 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     # of 32 or 128): far beyond the 0.3 asked.
     test = _gaussian(jr.key(99), 300)
     before = cnftrace.evaluate_nll(flow, test)
-    trained, hist = cnftrace.fit(
+    run = functools.partial(
+        cnftrace.fit,
         flow,
         _gaussian,
         key=jr.key(1),
@@ -55,6 +57,7 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
         optimizer=_ADAM,
         progress=False,
     )
+    trained, hist = run()
     after = cnftrace.evaluate_nll(trained, test)
     assert after.mean < before.mean - 0.3
     assert len(hist["loss"]) == 60 and all(np.isfinite(hist["loss"]))
@@ -68,15 +71,7 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     listener = lambda name, *_, **__: lowered.append(name) if name == event else None  # noqa: E731
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        again, hist2 = cnftrace.fit(
-            flow,
-            _gaussian,
-            key=jr.key(1),
-            steps=60,
-            batch_size=BATCH,
-            optimizer=_ADAM,
-            progress=False,
-        )
+        _, hist2 = run()
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert hist2["loss"] == hist["loss"]
