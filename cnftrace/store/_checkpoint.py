@@ -259,7 +259,8 @@ def check_payload(payload: bytes, like, path: str) -> None:
                 raise CheckpointError(
                     f"{where} has shape {tuple(shape)} and dtype {dtype}, where this "
                     f"model and optimiser hold shape {tuple(np.shape(leaf))} and dtype "
-                    f"{want} (was it written for another architecture?)."
+                    f"{want} (was it written for another architecture, or by another "
+                    "version of cnftrace?)."
                 )
         elif tuple(shape) != ():
             raise CheckpointError(f"{where} should be a scalar; it has shape {shape}.")
@@ -307,7 +308,8 @@ def _verified(path: str, like, config) -> tuple[dict, bytes]:
     if header["leaves"] != _leaf_specs(like):
         raise CheckpointError(
             f"{path} holds arrays of other shapes or dtypes than this model and "
-            "optimiser (was it written for another architecture?)."
+            "optimiser (was it written for another architecture, or by another version "
+            "of cnftrace?)."
         )
     check_payload(payload, like, path)
     return header, payload
