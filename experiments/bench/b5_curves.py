@@ -115,14 +115,16 @@ def cnftrace_curve(
     seconds: float,
     every: int | None = None,
     fm_share: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """cnftrace's defaults with a budget of `seconds`, validated on `points` (the
     curve) every `every` steps (`None`: at the pace of a calibration run), and its
-    final gap on `test`. With `fm_share`, a candidate recipe: that share of the
-    budget trains by flow matching (`objective="fm"`, validated every `FM_EVERY`
-    steps), and maximum likelihood starts from its model for the rest, with a fresh
-    optimiser (`fm_share=1`: flow matching alone)."""
-    model_key, train_key = jr.split(jr.key(0))
+    final gap on `test`; the model and the run from `jax.random.key(seed)`. With
+    `fm_share`, a candidate recipe: that share of the budget trains by flow
+    matching (`objective="fm"`, validated every `FM_EVERY` steps), and maximum
+    likelihood starts from its model for the rest, with a fresh optimiser
+    (`fm_share=1`: flow matching alone)."""
+    model_key, train_key = jr.split(jr.key(seed))
     flow = cnftrace.mlp_flow(target.dim, key=model_key)
     sizes = set()
 
@@ -260,12 +262,14 @@ def run(
     on_row=None,
     every: int | None = None,
     fm_share: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """A row per d of `dims`: cnftrace's curve, then each of zuko's `peers` at the
     seconds of its points. `on_row(key, row)` is called as each row is done.
     `every`: cnftrace's steps between validations, instead of calibrating them
     (smoke runs). `fm_share` > 0: also the flow-matching warm start's curve
-    (see `cnftrace_curve`)."""
+    (see `cnftrace_curve`). `seed`: cnftrace's model and run (the density and its
+    points stay those of seed 0)."""
     zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
@@ -277,11 +281,14 @@ def run(
         row["measured"] = time.strftime("%Y-%m-%d %H:%M %Z")
         row["curve_true_nll"] = float(-target.true_log_prob(points).mean())
         row["test_true_nll"] = float(-target.true_log_prob(test).mean())
-        row["cnftrace"] = ours = cnftrace_curve(target, points, test, seconds, every)
+        row["seed"] = seed
+        row["cnftrace"] = ours = cnftrace_curve(
+            target, points, test, seconds, every, seed=seed
+        )
         print(f"B5 curves d={d}: cnftrace {json.dumps(ours)}", flush=True)
         if fm_share > 0:
             row["cnftrace_fm"] = cnftrace_curve(
-                target, points, test, seconds, every, fm_share
+                target, points, test, seconds, every, fm_share, seed
             )
             candidate = json.dumps(row["cnftrace_fm"])
             print(f"B5 curves d={d}: candidate {candidate}", flush=True)
@@ -429,6 +436,13 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--fresh", action="store_true", help="start a new table (else rows are updated)"
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="cnftrace's model and run key (the density and its points stay fixed); "
+        "rows are kept by dimension, so give another seed its own --out-dir",
+    )
     args = parser.parse_args(argv)
     try:
         dims = [int(d) for d in args.dims.split(",") if d.strip()]
@@ -462,7 +476,7 @@ def main(argv=None) -> None:
         write(ordered, args.out_dir, command.strip())
 
     sizes = (args.curve_size, args.test_size)
-    run(dims, args.seconds, *sizes, peers, save, args.every, args.fm_share)
+    run(dims, args.seconds, *sizes, peers, save, args.every, args.fm_share, args.seed)
     with open(stem + ".md") as f:
         print(f.read())
 

@@ -54,7 +54,7 @@ def smoke(tmp_path_factory):
     with open(out / "b5_curves.json", "w") as f:
         json.dump({"3": EARLIER}, f)
     argv = ["--dims", "2", "--seconds", "1", "--curve-size", "200"]
-    argv += ["--test-size", "500", "--peers", "nsf", "--every", "20"]
+    argv += ["--test-size", "500", "--peers", "nsf", "--every", "20", "--seed", "3"]
     with jax.enable_x64(False):  # as users run it
         b5_curves.main([*argv, "--out-dir", str(out)])
     with open(out / "b5_curves.json") as f:
@@ -67,6 +67,7 @@ def test_smoke_run_writes_the_results(smoke):
     assert res["3"] == EARLIER
     row = res["2"]
     assert (row["dim"], row["budget_s"], row["n_curve"]) == (2, 1.0, 200)
+    assert row["seed"] == 3
     ours = row["cnftrace"]
     assert ours["recipe"]["batch"] > 0 and ours["every"] == 20
     assert ours["train_s"] >= 1.0  # fit trains until the budget is spent
