@@ -143,8 +143,8 @@ def _optimized(request):
 # 200 for a flow's `log_prob`, 500 for its gradient), and a process that reaches the
 # kernel's `vm.max_map_count` (65,530) crashes with a segmentation fault in XLA's
 # next compile; the executables also held each worker above 5 GB when none were
-# dropped. Higher limits (36,000 maps, 6 GB) released less often but did not shorten
-# the suite: 593 s against 584 s from a fresh clone, with more system time.
+# dropped. Higher limits released less often but did not shorten the suite
+# (docs/changelog.md).
 MAX_MAPS = 20_000
 MAX_RESIDENT = 3 * 2**30
 
