@@ -494,6 +494,11 @@ def cnftrace_log_prob(flow, test, chunk: int = 2000) -> np.ndarray:
     return cnftrace.log_prob_batched(flow, test, batch_size=chunk)
 
 
+# B5's maximum-likelihood steps in the dims half (`b5.py --steps`); the plots mark
+# the rows that trained otherwise.
+B5_MLE_STEPS = 2000
+
+
 def trained_by(recipe: dict) -> str:
     """`"flow matching, "` where a row's cnftrace `recipe` trained by flow matching,
     else `""`: how the tables and plots name `fit`'s choice (rows without an

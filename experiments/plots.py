@@ -19,6 +19,7 @@ import json
 import os
 
 from experiments._common import (
+    B5_MLE_STEPS,
     COLORS,
     DOCS_IMAGES,
     RESULTS,
@@ -104,7 +105,7 @@ def gap_vs_dimension(plt, dims_rows: dict):
             )  # fmt: skip
     for r in rows:
         recipe = r["cnftrace"]["recipe"]
-        if recipe["steps"] != 2000 or trained_by(recipe):
+        if recipe["steps"] != B5_MLE_STEPS or trained_by(recipe):
             ax.annotate(
                 f"{trained_by(recipe)}{recipe['steps']:,} steps",
                 (r["dim"], r["cnftrace"]["gap"]),

@@ -42,6 +42,7 @@ import numpy as np
 import cnftrace
 from cnftrace.datasets import read_table, split_table, warped_product
 from experiments._common import (
+    B5_MLE_STEPS,
     RESULTS as RESULTS_DIR,
     SPLIT,
     TABLES,
@@ -68,7 +69,7 @@ FILES = tuple(TABLES)
 
 def run_dims(
     dims=DIMS,
-    steps: int = 2000,
+    steps: int = B5_MLE_STEPS,
     test_size: int = 20_000,
     peers=PEERS,
     peer_seconds: float | None = None,
@@ -353,7 +354,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        default=2000,
+        default=B5_MLE_STEPS,
         help="dims: fit's maximum-likelihood steps (from 20-D it trains by flow "
         "matching for its own default steps)",
     )
