@@ -4,6 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# Python keeps the bytecode of the modules it imports (in __pycache__/, which git
+# ignores), so that the next process loads them instead of compiling their sources.
+# Some environments turn that off (PYTHONDONTWRITEBYTECODE, which container images
+# often set): then every process that starts JAX compiles JAX's sources again, several
+# seconds of CPU for each of the test suite's processes. These targets run the
+# project's own .venv and tree, so they keep Python's default.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: venv demo test lint format docs docs-build clean
 
 venv: $(STAMP)
