@@ -38,7 +38,7 @@ STEPS = 1000  # `fit`'s optimiser steps
 # matching rather than maximum likelihood: a likelihood step solves the ODE with a
 # trace estimate and its gradient, a flow-matching step evaluates the field once, and
 # from here the cheap steps reach a closer density in the same seconds.
-FM_FROM_DIM = 20
+FM_FROM_DIM = 15
 # `fit`'s steps when it trains by flow matching: each step costs a fraction of a
 # likelihood step, and the density keeps improving over this many.
 FM_STEPS = 40_000
@@ -166,7 +166,7 @@ def default_recipe(dim: int, rows: int | None = None) -> Recipe:
 
     A [`Recipe`][cnftrace.Recipe]. The width grows with the dimension (64 up to 5
     dimensions, 256 up to 20, 512 beyond) and, on a table, is at most 64 per 2,000
-    training rows (a wider field overfits); samples without end of 20 dimensions or
+    training rows (a wider field overfits); samples without end of 15 dimensions or
     more train by flow matching for 40,000 steps instead of maximum likelihood for
     1,000; the other settings are the same for every size. `MLPField` and
     `mlp_flow` see only the dimension: for a small table in Python, pass

@@ -96,7 +96,7 @@ def fit(
     on_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[AbstractFlow, dict[str, list]]:
     """Trains `flow` by maximum likelihood (the default), flow matching (the default
-    from 20 dimensions on samples without end), toward an unnormalised density
+    from 15 dimensions on samples without end), toward an unnormalised density
     (`target=`), or by any other objective: a loop over
     [`Trainer`][cnftrace.Trainer]'s step.
 
@@ -122,7 +122,7 @@ def fit(
     - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`),
         `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]), or any
         [`AbstractObjective`][cnftrace.AbstractObjective]. By default (`None`),
-        `"fm"` where `data` is a function of 20 dimensions or more and the flow can
+        `"fm"` where `data` is a function of 15 dimensions or more and the flow can
         be trained by flow matching (a likelihood step solves the ODE, a
         flow-matching step evaluates the field once: from there the cheap steps
         reach a closer density sooner; `fit` says so in one line), else `"mle"`.

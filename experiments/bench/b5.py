@@ -81,8 +81,9 @@ def run_dims(
     instead: for smoke runs). `on_row(key, row)` is called as each row is done.
     `seed` picks cnftrace's initialisation and training keys (not the density nor
     its test set): a row of another seed than 0 is keyed `"d/seed"`. `steps` are
-    maximum likelihood's: where `fit` trains by flow matching by default (from 20
-    dimensions), it trains for that default's own steps."""
+    maximum likelihood's: at a dimension where `fit` trains by flow matching by
+    default (`cnftrace.default_recipe(d).objective == "fm"`), it trains for that
+    default's own steps."""
     zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
@@ -355,8 +356,8 @@ def main(argv=None) -> None:
         "--steps",
         type=int,
         default=B5_MLE_STEPS,
-        help="dims: fit's maximum-likelihood steps (from 20-D it trains by flow "
-        "matching for its own default steps)",
+        help="dims: fit's maximum-likelihood steps (at the dimensions where fit "
+        "trains by flow matching, its own default steps)",
     )
     parser.add_argument("--test-size", type=int, default=20_000, help="dims")
     parser.add_argument(

@@ -148,8 +148,8 @@ def cnftrace_curve(
         fm_s, fm_steps = fm["seconds"][-1], fm["step"][-1]
     trained, train_s, steps, calibration_s, wall_s = flow, fm_s, 0, 0.0, 0.0
     if fm_share < 1:
-        # After flow matching, maximum likelihood by name: from 20 dimensions
-        # `fit`'s default is flow matching itself.
+        # After flow matching, maximum likelihood by name: on a sampler of
+        # many dimensions `fit`'s default is flow matching itself.
         trained, history, every, calibration_s, wall_s = _likelihood_phase(
             flow,
             sample,

@@ -34,7 +34,7 @@ def test_default_recipe_reaches_the_quality_bar_in_300_steps():
 
 
 def test_the_objective_follows_the_dimension_and_the_data(capsys):
-    """From 20 dimensions, samples without end train by flow matching for 40,000
+    """From 15 dimensions, samples without end train by flow matching for 40,000
     steps by default (a likelihood step solves the ODE, a flow-matching step
     evaluates the field once); a table, a lower dimension, a flow that learns its
     end time and an objective given by name keep what they had, and `fit` says so
