@@ -223,10 +223,17 @@ def _curve(history: dict, true_nll: float, s0: float, step0: int) -> list:
 
 
 def zuko_curve(
-    zuko_peer, target: Target, points, test, seconds: float, at_s, model: str
+    zuko_peer,
+    target: Target,
+    points,
+    test,
+    seconds: float,
+    at_s,
+    model: str,
+    device: str = "cpu",
 ) -> dict:
-    """zuko's `model` for `seconds` training seconds, scored on `points` at each of
-    `at_s` and at the end, and its final gap on `test`."""
+    """zuko's `model` for `seconds` training seconds on torch's `device`, scored on
+    `points` at each of `at_s` and at the end, and its final gap on `test`."""
     batch = 512
     z = zuko_peer.zuko_b4(
         target.sample,
@@ -238,6 +245,7 @@ def zuko_curve(
         max_train_s=seconds,
         model=model,
         final_test=np.asarray(test),
+        device=device,
     )
     evaluated = [
         (s, step, logp) for s, (_, step, logp) in zip(z["at_train_s"], z["at_s"])
@@ -263,13 +271,15 @@ def run(
     every: int | None = None,
     fm_share: float = 0.0,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict:
     """A row per d of `dims`: cnftrace's curve, then each of zuko's `peers` at the
     seconds of its points. `on_row(key, row)` is called as each row is done.
     `every`: cnftrace's steps between validations, instead of calibrating them
     (smoke runs). `fm_share` > 0: also the flow-matching warm start's curve
     (see `cnftrace_curve`). `seed`: cnftrace's model and run (the density and its
-    points stay those of seed 0)."""
+    points stay those of seed 0). `device`: torch's, where zuko trains ("cuda" on
+    a GPU; cnftrace runs on JAX's default device)."""
     zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
@@ -297,7 +307,9 @@ def run(
             if zuko_peer is None:
                 row[f"zuko_{model}"] = {"missing": missing}
                 continue
-            peer = zuko_curve(zuko_peer, target, points, test, seconds, at_s, model)
+            peer = zuko_curve(
+                zuko_peer, target, points, test, seconds, at_s, model, device
+            )
             row[f"zuko_{model}"] = peer
             print(f"B5 curves d={d}: zuko {model} {json.dumps(peer)}", flush=True)
         out[str(d)] = row
@@ -443,6 +455,12 @@ def main(argv=None) -> None:
         help="cnftrace's model and run key (the density and its points stay fixed); "
         "rows are kept by dimension, so give another seed its own --out-dir",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where zuko trains (torch's device); cnftrace runs on JAX's default",
+    )
     args = parser.parse_args(argv)
     try:
         dims = [int(d) for d in args.dims.split(",") if d.strip()]
@@ -476,7 +494,17 @@ def main(argv=None) -> None:
         write(ordered, args.out_dir, command.strip())
 
     sizes = (args.curve_size, args.test_size)
-    run(dims, args.seconds, *sizes, peers, save, args.every, args.fm_share, args.seed)
+    run(
+        dims,
+        args.seconds,
+        *sizes,
+        peers,
+        save,
+        args.every,
+        args.fm_share,
+        args.seed,
+        args.device,
+    )
     with open(stem + ".md") as f:
         print(f.read())
 
