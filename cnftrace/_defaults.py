@@ -12,6 +12,10 @@ T1 = 0.5  # integration time of a block
 RTOL = 1e-5  # the solver's tolerances when a flow is evaluated or sampled
 ATOL = 1e-5
 MAX_STEPS = 4096  # the solver's step budget per solve (a solve that needs more fails)
+# The field's float32 matrix products inside a solve: in full float32, not the
+# TensorFloat-32 that JAX uses on recent NVIDIA GPUs by default, whose rounding the
+# step-size controller would mistake for truncation error.
+MATMUL_PRECISION = "float32"
 PCOEFF = 0.4  # the PID step-size controller's coefficients (diffrax's advice for
 ICOEFF = 0.3  # the adaptive solves of neural ODEs)
 FREQS = 3  # sinusoidal time features of a field
