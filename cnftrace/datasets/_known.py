@@ -2,6 +2,7 @@
 `seed` (docs/quality.md scores models on them)."""
 
 import abc
+import functools
 import math
 
 import equinox as eqx
@@ -191,10 +192,19 @@ class _WarpedProduct(KnownDensity):
 
     def _unscaled(self, key, n, dtype):
         keys = jr.split(key, self.dim)
-        s = jnp.stack(
-            [_marginal_sample(m, k, n, dtype) for m, k in zip(self.marginals, keys)],
-            axis=1,
-        )
+        # Column i is `_marginal_sample(marginals[i], keys[i], n)`. The columns of
+        # one marginal are drawn by one vmapped call: the same numbers (a vmap over
+        # keys draws what a loop over them would), but one rejection loop for all
+        # the Student-t and gamma columns instead of one each, about half the
+        # sampler's time at 40 dimensions.
+        columns = [None] * self.dim
+        for name in dict.fromkeys(self.marginals):
+            idx = [i for i, m in enumerate(self.marginals) if m == name]
+            draw = functools.partial(_marginal_sample, name, n=n, dtype=dtype)
+            block = jax.vmap(draw)(keys[np.asarray(idx)])
+            for row, i in enumerate(idx):
+                columns[i] = block[row]
+        s = jnp.stack(columns, axis=1)
         for i, j, b in self.warps:
             s = s.at[:, j].add(b * (s[:, i] ** 2 - 1))
         return s @ self.rotation.T.astype(dtype)
