@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import cnftrace
-
 from cnftrace.datasets import (
     TARGETS,
     dw4,
