@@ -14,4 +14,9 @@ from ._norm import (
 from ._regularization import Regularization as Regularization
 from ._stages import StageScan as StageScan, scannable as scannable
 from ._stats import SolveStats as SolveStats, evals_per_step as evals_per_step
-from ._term import CNFArgs as CNFArgs, CNFTerm as CNFTerm, StateTerm as StateTerm
+from ._term import (
+    CNFArgs as CNFArgs,
+    CNFTerm as CNFTerm,
+    StateTerm as StateTerm,
+    check_matmul_precision as check_matmul_precision,
+)

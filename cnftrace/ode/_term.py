@@ -81,6 +81,23 @@ def checked_output(dz, z):
     return dz
 
 
+def check_matmul_precision(value):
+    """`value` if JAX takes it as a matmul precision (or it is None), else a
+    `ValueError` naming `matmul_precision`."""
+    if value is None:
+        return None
+    try:
+        with jax.default_matmul_precision(value):
+            pass
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "`matmul_precision` must be None (JAX's default) or a precision JAX "
+            "names, such as 'float32', 'tensorfloat32' or 'bfloat16'; got "
+            f"{value!r}."
+        ) from e
+    return value
+
+
 def field_precision(name: str | None):
     """The context in which a term traces its vector field: JAX's matmul precision
     `name` for 32-bit inputs ("float32", "tensorfloat32", "bfloat16"), or JAX's own
@@ -157,6 +174,9 @@ class CNFTerm(ODETerm):
     event_ndim: int = eqx.field(default=1, static=True)
     regularize: bool = eqx.field(default=False, static=True)
     matmul_precision: str | None = eqx.field(default=MATMUL_PRECISION, static=True)
+
+    def __check_init__(self):
+        check_matmul_precision(self.matmul_precision)
 
     def make_args(
         self,
@@ -258,6 +278,9 @@ class StateTerm(ODETerm):
     event_ndim: int = eqx.field(default=1, static=True)
     per_sample_args: bool = eqx.field(default=False, static=True)
     matmul_precision: str | None = eqx.field(default=MATMUL_PRECISION, static=True)
+
+    def __check_init__(self):
+        check_matmul_precision(self.matmul_precision)
 
     def vf(self, t, y, args):
         batch_ndim = y.ndim - self.event_ndim

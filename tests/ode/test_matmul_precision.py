@@ -13,6 +13,7 @@ import jax.random as jr
 import pytest
 
 import cnftrace
+from cnftrace.ode import StateTerm
 
 
 def _dot_precisions(fn, *args) -> list:
@@ -67,3 +68,25 @@ def test_a_term_keeps_jax_default_precision_when_asked(flow):
     ours, jax_default = products("float32"), products(None)
     assert ours and all(p == HIGHEST for p in ours)
     assert jax_default and all(p is None for p in jax_default), jax_default
+
+
+def test_a_flow_passes_its_precision_to_every_solve(flow):
+    """`CNF(..., matmul_precision=None)`: the field's products keep JAX's default;
+    the Runge-Kutta stage combinations are the solver's own arithmetic and stay in
+    full precision."""
+    x = jnp.ones((4, 2), jnp.float32)
+    plain = cnftrace.CNF(flow.vector_field, 2, matmul_precision=None)
+    for fn in (lambda f: f.log_prob(x), lambda f: f.sample(jr.key(2), 3)):
+        precisions = _dot_precisions(fn, plain)
+        assert None in precisions and HIGHEST in precisions, precisions
+
+
+@pytest.mark.parametrize("bad", ["fast", 3])
+def test_an_unknown_precision_is_refused_by_name(flow, bad):
+    for make in (
+        lambda: cnftrace.CNF(flow.vector_field, 2, matmul_precision=bad),
+        lambda: cnftrace.CNFTerm(flow.vector_field, matmul_precision=bad),
+        lambda: StateTerm(flow.vector_field, matmul_precision=bad),
+    ):
+        with pytest.raises(ValueError, match="`matmul_precision` must be None"):
+            make()
