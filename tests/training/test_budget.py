@@ -89,7 +89,12 @@ def test_the_rate_follows_the_share_of_the_budget_spent(budgeted):
     assert rate[-1] < 1.01 * LR / LR_END_DIVISOR  # decayed by the budget's end
 
 
-def test_a_resumed_budget_goes_on_with_the_seconds_it_had_left(flow, tmp_path):
+def test_a_resumed_budget_goes_on_with_the_seconds_it_had_left(
+    flow, budgeted, tmp_path
+):
+    # `budgeted` compiled the step outside this test's budget, also where this test
+    # runs without the others (alone, or on a worker of its own).
+    del budgeted
     checkpoints = cnftrace.Checkpoints(str(tmp_path / "ckpt"), every=10)
     # Stopped by a step cap (as a killed run stops at its last checkpoint).
     _, first = _fit(flow, seconds=BUDGET, steps=30, checkpoints=checkpoints)
