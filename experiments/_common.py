@@ -330,8 +330,17 @@ class QualityCurve:
 # first step, which compiles, is timed from the call of `fit`.
 
 
-def b1_flow(estimator: str, solver: str = "tsit5", seed: int = 0) -> cnftrace.CNF:
-    """B1's model: one block, ConcatSquash 2-64-64-64-2 (tanh), T = 0.5, float32."""
+def b1_flow(
+    estimator: str,
+    solver: str = "tsit5",
+    seed: int = 0,
+    jax_precision: bool = False,
+) -> cnftrace.CNF:
+    """B1's model: one block, ConcatSquash 2-64-64-64-2 (tanh), T = 0.5, float32.
+    `jax_precision`: the field's products at JAX's default precision
+    (`matmul_precision=None`: TensorFloat-32 on recent NVIDIA GPUs) rather than
+    cnftrace's."""
+    precision = {"matmul_precision": None} if jax_precision else {}
     if solver not in ("tsit5", "dopri5"):
         raise ValueError(f"solver must be 'tsit5' or 'dopri5'; got {solver!r}.")
     return cnftrace.mlp_flow(
@@ -346,6 +355,7 @@ def b1_flow(estimator: str, solver: str = "tsit5", seed: int = 0) -> cnftrace.CN
         atol=B1_TOL,
         estimator=b1_estimator(estimator),
         dtype=jnp.float32,
+        **precision,
     )
 
 
@@ -369,12 +379,13 @@ def cnftrace_b1(
     batch: int = B1_BATCH,
     solver: str = "tsit5",
     seed: int = 0,
+    jax_precision: bool = False,
 ) -> dict:
     """B1 for cnftrace: seconds per iteration over B1's window, first-step time and
     NFE forward/backward per iteration (averaged over the window)."""
     if iters < 1:
         raise ValueError(f"iters must be positive; got {iters}.")
-    flow = b1_flow(estimator, solver, seed)
+    flow = b1_flow(estimator, solver, seed, jax_precision)
     b1_data(jr.key(0), batch).block_until_ready()  # the sampler alone, not the step
     stamps: list[float] = []
     start = time.perf_counter()
@@ -390,8 +401,9 @@ def cnftrace_b1(
         on_log=lambda record: stamps.append(time.perf_counter()),
     )
     times = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
+    system = f"cnftrace {cnftrace.__version__}"
     return {
-        "system": f"cnftrace {cnftrace.__version__}",
+        "system": system + (", JAX's matmul precision" if jax_precision else ""),
         "estimator": estimator,
         "solver": f"{solver}, PI control, max-over-samples RMS norm",
         "s_per_iter": window_avg(times),

@@ -9,7 +9,15 @@ import jax.random as jr
 
 from .._checks import check_int
 from .._custom_types import Key
-from .._defaults import ATOL, DEPTH, MAX_STEPS, RTOL, T1, default_width
+from .._defaults import (
+    ATOL,
+    DEPTH,
+    MATMUL_PRECISION,
+    MAX_STEPS,
+    RTOL,
+    T1,
+    default_width,
+)
 from ..estimators import AbstractEstimator
 from ..nets import ConcatSquashMLP, MLPField
 from ._base import AbstractFlow
@@ -62,6 +70,7 @@ def mlp_flow(
     dtype=None,
     zero_last: bool | None = None,
     base: AbstractBase | None = None,
+    matmul_precision: str | None = MATMUL_PRECISION,
 ) -> AbstractFlow:
     """A flow of `blocks` CNF blocks, each an MLP vector field with `depth` hidden
     layers of `width` units: cnftrace's default model ([`MLPField`][cnftrace.MLPField]
@@ -83,7 +92,8 @@ def mlp_flow(
         `"concatsquash"`).
     - `t1`, `learn_t1`: each block's end time, and whether it is trained.
     - `solver`: `"tsit5"`, `"dopri5"`, `"dopri8"`, `"bosh3"` or a diffrax solver.
-    - `rtol`, `atol`, `estimator`, `max_steps`: as for [`CNF`][cnftrace.CNF].
+    - `rtol`, `atol`, `estimator`, `max_steps`, `matmul_precision`: as for
+        [`CNF`][cnftrace.CNF].
     - `dtype`: the parameters' dtype (JAX's default float if omitted).
     - `base`: the flow's base distribution (the standard normal if omitted), e.g.
         one fitted to training rows by [`fit_base`][cnftrace.fit_base].
@@ -131,6 +141,7 @@ def mlp_flow(
             atol=atol,
             estimator=estimator,
             max_steps=max_steps,
+            matmul_precision=matmul_precision,
         )
         for k in keys
     ]

@@ -22,8 +22,11 @@ before it ran long, and a part with less than a minute left is not run):
 - B1 (`experiments/README.md`): 8gaussians, batch 512, one CNF block with FFJORD's
   ConcatSquash 2-64-64-64-2, Tsit5 (zuko: its own Dopri5) at 1e-5, Adam 1e-3, float32;
   the exact trace and one Hutchinson probe; s/iter over iterations 21-120 and the
-  first step. cnftrace runs `_common.cnftrace_b1`, zuko `zuko_peer.zuko_b1` on CUDA,
-  stopped at its share of the part's budget (the table says how many steps ran).
+  first step. The first estimator runs a second time with the field's products at
+  JAX's default precision (`matmul_precision=None`: TensorFloat-32 on recent
+  NVIDIA GPUs) beside cnftrace's float32. cnftrace runs `_common.cnftrace_b1`, zuko
+  `zuko_peer.zuko_b1` on CUDA, stopped at its share of the part's budget (the
+  table says how many steps ran).
 - B5's constructed densities at d = 10 and 40 (`warped_product(d)`, exact
   log-density): cnftrace's default recipe (`mlp_flow(d)`, `fit` with its defaults,
   `_common.cnftrace_default`) for as many steps (at most the CPU row's: 2,000 at
@@ -150,6 +153,13 @@ def run_b1(budget_s: float, settings: dict, zuko_peer, device: str) -> dict:
     for i, est in enumerate(estimators):
         ours = cnftrace_b1(est, iters=iters, batch=batch)
         row = {"cnftrace": ours}
+        if est == estimators[0]:
+            # The field's products at JAX's default precision (TensorFloat-32 on
+            # recent NVIDIA GPUs), beside cnftrace's float32: what the precision
+            # costs or saves, in seconds and in evaluations.
+            row["cnftrace_jax_precision"] = cnftrace_b1(
+                est, iters=iters, batch=batch, jax_precision=True
+            )
         share = (i + 1) * budget_s / len(estimators) - (time.perf_counter() - start)
         if zuko_peer is None:
             row["zuko"] = {"missing": "zuko is not installed"}
@@ -267,7 +277,7 @@ def markdown(res: dict) -> str:
                     ]
                 )
         header = ["estimator", "system", "s/iter", "first step (s)", "NFE fwd"]
-        header += ["NFE bwd", "iterations", "zuko / cnftrace"]
+        header += ["NFE bwd", "iterations", "s/iter ÷ cnftrace's"]
         lines += ["", "## B1 on the GPU", "", markdown_table(header, rows, "llrrrrrr")]
     if res.get("b5"):
         cpu = load_results(os.path.join(RESULTS, "b5_dims"))

@@ -24,6 +24,12 @@ def test_smoke_runs_every_part_and_writes_its_tables(tmp_path):
         assert ours["s_per_iter"] > 0 and ours["nfe_fwd"] > 0
         # zuko ran on the CPU where installed, or its row says why not.
         assert "missing" in row["zuko"] or row["zuko"]["iters_done"] >= 1
+        # JAX's default precision beside cnftrace's: the CPU computes float32
+        # products in float32 either way, so the solves take the same steps.
+        theirs = row["cnftrace_jax_precision"]
+        assert theirs["system"].endswith("JAX's matmul precision")
+        assert theirs["nfe_fwd"] == ours["nfe_fwd"]
+        assert theirs["nfe_bwd"] == ours["nfe_bwd"]
     (row,) = res["b5"].values()
     ours = row["cnftrace"]
     assert row["dim"] == 2 and ours["recipe"]["steps"] == gpu.SMOKE["probe_steps"]
