@@ -195,8 +195,7 @@ class _WarpedProduct(KnownDensity):
         # Column i is `_marginal_sample(marginals[i], keys[i], n)`. The columns of
         # one marginal are drawn by one vmapped call: the same numbers (a vmap over
         # keys draws what a loop over them would), but one rejection loop for all
-        # the Student-t and gamma columns instead of one each, about half the
-        # sampler's time at 40 dimensions.
+        # the Student-t (or gamma) columns instead of one per column.
         columns = [None] * self.dim
         for name in dict.fromkeys(self.marginals):
             idx = [i for i, m in enumerate(self.marginals) if m == name]
