@@ -302,12 +302,7 @@ class CNF(AbstractFlow):
         the log-density change (and RNODE's integrals), and its probes drawn once
         for the solve; else the plain state."""
         if not log_det:
-            term = StateTerm(
-                self.vector_field,
-                len(self.shape),
-                context is not None,
-                self.matmul_precision,
-            )
+            term = self._state_term(context is not None)
             return term, x, self.args if context is None else context
         term = CNFTerm(
             self.vector_field,
@@ -320,6 +315,13 @@ class CNF(AbstractFlow):
             x, key=key, args=self.args, counter=counter, context=context
         )
         return term, term.initial_state(x), args
+
+    def _state_term(self, conditional: bool) -> StateTerm:
+        """The plain dynamics of this flow's field (no log-density), as its solves
+        and its first-step heuristic evaluate them."""
+        return StateTerm(
+            self.vector_field, len(self.shape), conditional, self.matmul_precision
+        )
 
     def _end_time(self, dtype):
         """`t1` as the solve takes it: a learned end time in the state's dtype (it
@@ -367,12 +369,7 @@ class CNF(AbstractFlow):
         if self.dt0 is not None:
             dt0 = -self.dt0 if inverse else self.dt0
         else:
-            field = StateTerm(
-                self.vector_field,
-                len(self.shape),
-                ctx is not None,
-                self.matmul_precision,
-            )
+            field = self._state_term(ctx is not None)
             dt0 = initial_step(
                 field,
                 t_start,
