@@ -109,6 +109,10 @@ class KnownDensity(eqx.Module):
     - `log_prob(x)`: the exact log-density of each row of `x`, shape `(n,)`.
     - `name`, `dim`: what it is.
 
+    `sample` and `log_prob` each run as one compiled program (per `n`, dtype and
+    input shape): called eagerly, their few dozen small operations would each
+    compile a program of their own on first use.
+
     !!! example
 
         ```python
@@ -170,10 +174,15 @@ class _GaussianMixture(KnownDensity):
 
     def sample(self, key, n, dtype=None):
         dtype = jnp.result_type(float) if dtype is None else dtype
+        return self._sample(key, check_int("n", n), dtype)
+
+    @eqx.filter_jit
+    def _sample(self, key, n, dtype):
         return mixture_sample(
             key, n, dtype, self.log_weights, self.means, self.cholesky
         )
 
+    @eqx.filter_jit
     def log_prob(self, x):
         x = _check_points(x, self.dim)
         return mixture_log_prob(x, self.log_weights, self.means, self.cholesky)
@@ -190,6 +199,7 @@ class _WarpedProduct(KnownDensity):
     rotation: Float[Array, "dim dim"]
     scale: Float[Array, " dim"]
 
+    @eqx.filter_jit
     def _unscaled(self, key, n, dtype):
         keys = jr.split(key, self.dim)
         # Column i is `_marginal_sample(marginals[i], keys[i], n)`. The columns of
@@ -210,8 +220,13 @@ class _WarpedProduct(KnownDensity):
 
     def sample(self, key, n, dtype=None):
         dtype = jnp.result_type(float) if dtype is None else dtype
+        return self._sample(key, check_int("n", n), dtype)
+
+    @eqx.filter_jit
+    def _sample(self, key, n, dtype):
         return self._unscaled(key, n, dtype) * self.scale.astype(dtype)[None]
 
+    @eqx.filter_jit
     def log_prob(self, x):
         x = _check_points(x, self.dim)
         s = (x / self.scale.astype(x.dtype)[None]) @ self.rotation.astype(x.dtype)

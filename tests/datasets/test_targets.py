@@ -125,8 +125,8 @@ def test_dw4_reference_samples_are_mean_free_and_seeded():
 @pytest.mark.parametrize("make", ["warped_product", "heavy_tailed"])
 def test_product_densities_draw_each_column_from_its_own_key(make):
     """B5's product densities draw the columns of one marginal in one vmapped call;
-    the draws must be those of one call per column with the column's key (the
-    numbers B5's results were measured on), warps and rotation applied after."""
+    the draws must be those of one call per column with the column's key, warps
+    and rotation applied after."""
     from cnftrace.datasets import _known
 
     density = getattr(cnftrace.datasets, make)(12, seed=0)
@@ -143,4 +143,9 @@ def test_product_densities_draw_each_column_from_its_own_key(make):
     for i, j, b in density.warps:
         s = s.at[:, j].add(b * (s[:, i] ** 2 - 1))
     expected = (s @ density.rotation.T) * density.scale[None]
-    np.testing.assert_array_equal(density.sample(key, n, jnp.float64), expected)
+    # The sampler is one compiled program, whose fused arithmetic may round the last
+    # bit otherwise than these operations run one by one; a wrong key moves a draw
+    # by about its standard deviation, 1.
+    np.testing.assert_allclose(
+        density.sample(key, n, jnp.float64), expected, rtol=0, atol=1e-13
+    )
