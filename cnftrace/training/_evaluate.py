@@ -64,7 +64,8 @@ def log_prob_batched(
     return_nfe: bool = False,
 ):
     """The log-density of every sample of `x`, evaluated `batch_size` samples at a
-    time (one jitted program for all chunks of the same size).
+    time, every chunk by one compiled program (a shorter last chunk is filled up
+    with repeats of its own rows, whose values are dropped).
 
     **Arguments:**
 
@@ -115,16 +116,24 @@ def log_prob_batched(
         key = None
     values, nfes = [], []
     for i, start in enumerate(range(0, n, batch_size)):
-        chunk = x[start : start + batch_size]
-        ctx = None if context is None else context[start : start + batch_size]
+        m = min(batch_size, n - start)
+        rows = slice(start, start + m)
+        if m < batch_size < n:
+            # A shorter last chunk is filled up with its own rows repeated, so that
+            # every chunk runs one compiled program. Repeated rows change neither
+            # the solve's steps (its error norm is a maximum over the samples) nor
+            # the values kept.
+            rows = start + np.arange(batch_size) % m
+        chunk = x[rows]
+        ctx = None if context is None else context[rows]
         k = None if key is None else jr.fold_in(key, i)
         lp, nfe, result = _log_prob_nfe_result(model, chunk, k, ctx)
         if result != diffrax.RESULTS.successful:
             raise SolverError(
                 f"the ODE solve failed on samples {start} to "
-                f"{start + chunk.shape[0] - 1} of `x`: {diffrax.RESULTS[result]}"
+                f"{start + m - 1} of `x`: {diffrax.RESULTS[result]}"
             )
-        values.append(np.asarray(lp))
+        values.append(np.asarray(lp)[:m])
         nfes.append(float(nfe))
     lp = np.concatenate(values)
     lp = lp + np.asarray(log_det, lp.dtype)

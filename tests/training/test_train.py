@@ -359,23 +359,39 @@ def test_solver_failure_freezes_the_state_and_names_the_step():
     assert bool(stats.max_steps_reached[0]) and bool(stats.failed[0])
 
 
+def _traced(call):
+    """`call()`'s result and the names of the programs JAX traced for it."""
+    traces = []
+    event = "/jax/core/compile/jaxpr_trace_duration"
+    listener = lambda name, *_, fun_name=None, **__: (  # noqa: E731
+        traces.append(fun_name) if name == event else None
+    )
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        return call(), traces
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_log_prob_batched_matches_log_prob():
     flow = _flow(jr.key(5))
     x = jr.normal(jr.key(6), (25, 2))
-    logp, nfe = cnftrace.log_prob_batched(flow, x, batch_size=10, return_nfe=True)
+    (logp, nfe), traces = _traced(
+        lambda: cnftrace.log_prob_batched(flow, x, batch_size=10, return_nfe=True)
+    )
     # Chunks of another size take other adaptive steps: equal to the tolerance.
     np.testing.assert_allclose(logp, flow.log_prob(x), rtol=1e-6)
     assert logp.shape == (25,) and nfe > 0
+    # The last chunk (5 rows) is filled up to 10 with its own rows repeated: one
+    # program for the three chunks, and the values of the 5 rows solved alone (the
+    # repeats leave the maximum over samples, and so the steps, as they were).
+    assert traces.count("_log_prob_nfe_result") <= 1, traces
+    np.testing.assert_allclose(logp[20:], flow.log_prob(x[20:]), rtol=1e-13)
     # The exact trace draws nothing: a key (fit's validation passes one) is dropped,
     # so the evaluation with it is the program already compiled without it.
-    traces = []
-    event = "/jax/core/compile/jaxpr_trace_duration"
-    listener = lambda name, *_, **__: traces.append(name) if name == event else None  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        keyed = cnftrace.log_prob_batched(flow, x, batch_size=10, key=jr.key(0))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    keyed, traces = _traced(
+        lambda: cnftrace.log_prob_batched(flow, x, batch_size=10, key=jr.key(0))
+    )
     np.testing.assert_array_equal(keyed, logp)
     assert traces == []
 
