@@ -120,9 +120,10 @@ def log_prob_batched(
         rows = slice(start, start + m)
         if m < batch_size < n:
             # A shorter last chunk is filled up with its own rows repeated, so that
-            # every chunk runs one compiled program. Repeated rows change neither
-            # the solve's steps (its error norm is a maximum over the samples) nor
-            # the values kept.
+            # every chunk runs one compiled program. Under the exact trace the
+            # repeats change neither the solve's steps (its error norm is a
+            # maximum over the samples) nor the values kept; a stochastic
+            # estimator draws its probes for the filled chunk.
             rows = start + np.arange(batch_size) % m
         chunk = x[rows]
         ctx = None if context is None else context[rows]
