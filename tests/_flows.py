@@ -1,6 +1,8 @@
 """The small flows the tests build: one builder, so that files differ only in the
-settings they choose (and programs of the same settings compile alike)."""
+settings they choose (and programs of the same settings compile alike); and what
+JAX traces for a call."""
 
+import jax
 import jax.random as jr
 
 import cnftrace
@@ -13,3 +15,19 @@ def small_flow(key=None, d=2, *, width=8, depth=1, field=None, **kwargs):
     field = cnftrace.ConcatSquashMLP if field is None else field
     key = jr.key(0) if key is None else key
     return cnftrace.CNF(field(d, width=width, depth=depth, key=key), d, **kwargs)
+
+
+def traces_of(call):
+    """`call()`'s result (waited for) and the names of the programs JAX traced for
+    it."""
+    traces = []
+    event = "/jax/core/compile/jaxpr_trace_duration"
+    listener = lambda name, *_, fun_name=None, **__: (  # noqa: E731
+        traces.append(fun_name) if name == event else None
+    )
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        out = jax.block_until_ready(call())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return out, traces

@@ -10,7 +10,7 @@ import jax.random as jr
 import jax.scipy as jsp
 import numpy as np
 import pytest
-from _flows import small_flow
+from _flows import small_flow, traces_of
 
 import cnftrace
 
@@ -395,21 +395,6 @@ def test_a_key_that_is_not_a_key_is_named():
     assert stochastic.log_prob(data, key=jax.random.PRNGKey(0)).shape == (4,)
 
 
-def _traces_of(call):
-    """`call()`'s result and the names of the programs it traced."""
-    traces = []
-    event = "/jax/core/compile/jaxpr_trace_duration"
-    listener = lambda name, *_, fun_name=None, **__: (  # noqa: E731
-        traces.append(fun_name) if name == event else None
-    )
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        out = jax.block_until_ready(call())
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    return out, traces
-
-
 def test_methods_on_concrete_values_are_one_program_each():
     """Op by op, a first `log_prob` traced and compiled about a hundred small
     programs (3.8 s against 1.2 s); each method is now one program, which a call
@@ -418,17 +403,17 @@ def test_methods_on_concrete_values_are_one_program_each():
     `SolverError` on the host (a runtime error inside a `jit`)."""
     flow = _mlp_flow(jr.key(21))
     x, y = jr.normal(jr.key(22), (7, 2)), jr.normal(jr.key(23), (7, 2))
-    logp, traces = _traces_of(lambda: flow.log_prob(x))
+    logp, traces = traces_of(lambda: flow.log_prob(x))
     assert len(traces) <= 3, traces
-    again, traces = _traces_of(lambda: flow.log_prob(y))
+    again, traces = traces_of(lambda: flow.log_prob(y))
     assert traces == []
     jitted = _jitted_log_prob
     np.testing.assert_allclose(jitted(flow, y), again, rtol=1e-6, atol=1e-6)
-    samples, traces = _traces_of(lambda: flow.sample(jr.key(1), 7))
+    samples, traces = traces_of(lambda: flow.sample(jr.key(1), 7))
     assert len(traces) <= 3, traces
-    other, traces = _traces_of(lambda: flow.sample(jr.key(2), 7))
+    other, traces = traces_of(lambda: flow.sample(jr.key(2), 7))
     assert traces == [] and not np.allclose(samples, other)
-    z, traces = _traces_of(lambda: flow.forward(x))
+    z, traces = traces_of(lambda: flow.forward(x))
     assert len(traces) <= 3, traces
     np.testing.assert_allclose(flow.inverse(z), x, atol=1e-4)
     failing = _mlp_flow(jr.key(21), max_steps=2, rtol=1e-8, atol=1e-8)

@@ -11,7 +11,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from _flows import small_flow
+from _flows import small_flow, traces_of
 
 import cnftrace
 from cnftrace import plot as cnftrace_plot
@@ -359,24 +359,10 @@ def test_solver_failure_freezes_the_state_and_names_the_step():
     assert bool(stats.max_steps_reached[0]) and bool(stats.failed[0])
 
 
-def _traced(call):
-    """`call()`'s result and the names of the programs JAX traced for it."""
-    traces = []
-    event = "/jax/core/compile/jaxpr_trace_duration"
-    listener = lambda name, *_, fun_name=None, **__: (  # noqa: E731
-        traces.append(fun_name) if name == event else None
-    )
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        return call(), traces
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_log_prob_batched_matches_log_prob():
     flow = _flow(jr.key(5))
     x = jr.normal(jr.key(6), (25, 2))
-    (logp, nfe), traces = _traced(
+    (logp, nfe), traces = traces_of(
         lambda: cnftrace.log_prob_batched(flow, x, batch_size=10, return_nfe=True)
     )
     # Chunks of another size take other adaptive steps: equal to the tolerance.
@@ -389,7 +375,7 @@ def test_log_prob_batched_matches_log_prob():
     np.testing.assert_allclose(logp[20:], flow.log_prob(x[20:]), rtol=1e-13)
     # The exact trace draws nothing: a key (fit's validation passes one) is dropped,
     # so the evaluation with it is the program already compiled without it.
-    keyed, traces = _traced(
+    keyed, traces = traces_of(
         lambda: cnftrace.log_prob_batched(flow, x, batch_size=10, key=jr.key(0))
     )
     np.testing.assert_array_equal(keyed, logp)
