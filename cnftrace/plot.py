@@ -43,7 +43,8 @@ def density_grid(
         ```python
         import cnftrace.plot
 
-        flow = cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=8, key=jr.key(0)), 2)
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2)
         xs, ys, logp = cnftrace.plot.density_grid(flow, resolution=20)
         ```
     """
@@ -94,10 +95,11 @@ def plot_flow_2d(
         import cnftrace.plot
         from cnftrace.datasets import toy_sample
 
-        flow = cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=8, key=jr.key(0)), 2)
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+        flow = cnftrace.CNF(field, 2)
         data = toy_sample("8gaussians", jr.key(1), 1000)
         samples = flow.sample(jr.key(2), 1000)
-        cnftrace.plot.plot_flow_2d(flow, data, samples, "flow.png", resolution=30)
+        cnftrace.plot.plot_flow_2d(flow, data, samples, "flow.png", resolution=20)
         ```
     """
     plt = _pyplot()

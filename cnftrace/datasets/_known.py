@@ -260,8 +260,8 @@ def rotated_product(dim: int, *, seed: int = 0) -> KnownDensity:
         from cnftrace.datasets import rotated_product
 
         density = rotated_product(5, seed=0)
-        x = density.sample(jr.key(0), 3)
-        print(x.shape, density.log_prob(x).shape)  # (3, 5) (3,)
+        x = density.sample(jr.key(0), 1000)
+        print(x.shape, density.log_prob(x).shape)  # (1000, 5) (1000,)
         ```
     """
     return _rotated("rotated_product", MARGINALS, dim, seed, stream=1)

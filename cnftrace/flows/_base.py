@@ -53,10 +53,10 @@ class AbstractFlow(eqx.Module):
         ```python
         field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
         flow = cnftrace.CNF(field, 2, t1=0.5)
-        x = flow.sample(jr.key(1), 5)      # (5, 2)
+        x = flow.sample(jr.key(1), 8)      # (8, 2)
         z = flow.forward(x)                # back to the base
-        logp = flow.log_prob(x)            # (5,)
-        x2, logp2 = flow.sample_and_log_prob(jr.key(1), 5)
+        logp = flow.log_prob(x)            # (8,)
+        x2, logp2 = flow.sample_and_log_prob(jr.key(1), 8)
         print(len(flow.blocks))  # 1: a CNF is its own one block
         ```
     """

@@ -32,15 +32,15 @@ class Chain(AbstractFlow):
     !!! example
 
         ```python
-        keys = jr.split(jr.key(0), 3)
+        keys = jr.split(jr.key(0), 2)
         blocks = [
-            cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=16, key=k), 2, t1=0.5)
+            cnftrace.CNF(cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=k), 2)
             for k in keys
         ]
         flow = cnftrace.Chain(blocks)
-        logp = flow.log_prob(jnp.zeros((4, 2)))
+        logp = flow.log_prob(jnp.zeros((8, 2)))
         nested = cnftrace.Chain([flow, blocks[0]])
-        print(len(nested.blocks))  # 4: chains are flattened
+        print(len(nested.blocks))  # 3: chains are flattened
         ```
     """
 

@@ -80,9 +80,9 @@ class CNF(AbstractFlow):
 
         ```python
         key = jax.random.key(0)
-        field = cnftrace.ConcatSquashMLP(2, width=64, depth=3, key=key)
+        field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=key)
         flow = cnftrace.CNF(field, dim=2, t1=0.5)
-        logp = flow.log_prob(jnp.zeros((10, 2)))
+        logp = flow.log_prob(jnp.zeros((8, 2)))
         ```
     """
 

@@ -238,9 +238,10 @@ class ProbabilityFlow(AbstractFlow):
         !!! example
 
             ```python
-            flow = cnftrace.CNF(cnftrace.MLPField(2, width=8, key=jr.key(0)), 2)
+            field = cnftrace.ConcatSquashMLP(2, width=16, depth=1, key=jr.key(0))
+            flow = cnftrace.CNF(field, 2)
             pf = cnftrace.ProbabilityFlow.from_flow(flow)
-            x = jnp.ones((3, 2))
+            x = jnp.ones((8, 2))
             print(pf.log_prob(x) - flow.log_prob(x))  # zeros
             ```
         """
