@@ -47,9 +47,11 @@ def test_train_eval_sample_plot(tmp_path, capsys):
     assert info["step"] == 12 and info["config"]["width"] == 8
     assert np.all(np.isfinite(flow.log_prob(np.zeros((3, 2)))))
 
-    assert main(["sample", run, "--n", "7"]) == 0
+    # As many samples as `plot` draws for a 2-D toy set (20,000), so that `plot`
+    # reuses the solve `sample` compiled.
+    assert main(["sample", run, "--n", "20000"]) == 0
     samples = np.load(os.path.join(run, "samples.npy"))
-    assert samples.shape == (7, 2) and np.all(np.isfinite(samples))
+    assert samples.shape == (20000, 2) and np.all(np.isfinite(samples))
 
     assert main(["plot", run]) == 0
     assert sorted(os.listdir(os.path.join(run, "plots"))) == [
