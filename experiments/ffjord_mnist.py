@@ -110,8 +110,9 @@ def main(argv=None):
     if args.quick:
         # The smoke model of ffjord_digits.py (Tsit5 there, not dopri5), with its
         # batch, its validation's 4 probes on 8 images and its 64 samples: on 8x8
-        # images a process that runs both smoke runs (the test suite) traces and
-        # compiles the training step, that evaluation and the sampling once.
+        # images a process that runs both smoke runs (the test suite) compiles that
+        # evaluation and the sampling once. The training steps differ (FFJORD's
+        # warmup and dequantised batches here, an array of rows there).
         args.steps, args.batch_size, args.warmup = 3, 8, 2
         hidden, args.blocks, args.tol, solver = (4,), 1, 1e-3, diffrax.Tsit5()
         test_images = test_images[:8]
