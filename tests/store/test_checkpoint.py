@@ -203,11 +203,23 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+# A small run by flow matching (no ODE solve in the step: quick to compile) for the
+# tests of resuming that do not depend on the objective. Its optimiser is one object,
+# so that `fit` compiles the step once for the tests that share it.
+_FM_ADAM = optax.adam(1e-3)
+
+
+def _fm_run():
+    """The flow, the data and `fit`'s settings (but the key) of the shared run."""
+    flow = cnftrace.CNF(cnftrace.MLPField(2, width=4, depth=1, key=jr.key(0)), 2)
+    data = np.asarray(jr.normal(jr.key(1), (64, 2)))
+    return flow, data, dict(batch_size=8, optimizer=_FM_ADAM, objective="fm")
+
+
 def test_resume_with_another_key_is_refused(tmp_path):
-    field = cnftrace.ConcatSquashMLP(2, width=4, depth=1, key=jr.key(0))
-    flow = cnftrace.CNF(field, 2, t1=0.5, rtol=1e-3, atol=1e-3)
-    data = lambda k, n: jr.normal(k, (n, 2))  # noqa: E731
-    kwargs = dict(steps=2, batch_size=8, progress=False, checkpoints=str(tmp_path))
+    # The run of `_FM_RUN`: its step program is the one the history test compiles.
+    flow, data, kwargs = _fm_run()
+    kwargs |= dict(steps=2, progress=False, checkpoints=str(tmp_path))
     cnftrace.fit(flow, data, key=jr.key(1), **kwargs)
     with pytest.raises(cnftrace.CheckpointError, match="another `key`"):
         cnftrace.fit(flow, data, key=jr.key(2), **kwargs)
@@ -355,10 +367,8 @@ def test_forged_checkpoints_are_skipped_for_the_previous_good_one(tmp_path, forg
 
 def test_checkpoints_do_not_grow_and_history_survives_resume(tmp_path):
     d = str(tmp_path)
-    flow = cnftrace.CNF(cnftrace.MLPField(2, width=4, depth=1, key=jr.key(0)), 2)
-    data = np.asarray(jr.normal(jr.key(1), (64, 2)))
-    kwargs = dict(key=jr.key(2), batch_size=8, optimizer=optax.adam(1e-3))
-    kwargs |= dict(objective="fm")  # no ODE solve in the step: quick to compile
+    flow, data, kwargs = _fm_run()
+    kwargs |= dict(key=jr.key(2))
     kwargs |= dict(progress=False, checkpoints=cnftrace.Checkpoints(d, every=1, keep=9))
     _, first = cnftrace.fit(flow, data, steps=4, **kwargs)
     sizes = [os.path.getsize(p) for _, p in list_checkpoints(d)]

@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 
+import equinox as eqx
 import jax
 import jax.random as jr
 import numpy as np
@@ -50,14 +51,18 @@ def _hidden_width(field) -> int:
 
 
 def test_the_models_take_their_width_from_the_recipe():
+    # Built abstractly (`eqx.filter_eval_shape` runs the same constructors on
+    # shapes): only the layers' shapes are checked, and initialising the weights of
+    # each size compiled a few dozen small programs.
     key = jr.key(0)
-    assert _hidden_width(cnftrace.MLPField(10, key=key)) == 256
-    assert _hidden_width(cnftrace.MLPField(2, key=key)) == 64
-    assert _hidden_width(cnftrace.MLPField(10, 32, key=key)) == 32  # given: kept
-    assert _hidden_width(cnftrace.mlp_flow(21, key=key).vector_field) == 512
-    blocks = cnftrace.mlp_flow(12, key=key, blocks=2, depth=1).blocks
+    shaped = eqx.filter_eval_shape
+    assert _hidden_width(shaped(cnftrace.MLPField, 10, key=key)) == 256
+    assert _hidden_width(shaped(cnftrace.MLPField, 2, key=key)) == 64
+    assert _hidden_width(shaped(cnftrace.MLPField, 10, 32, key=key)) == 32  # kept
+    assert _hidden_width(shaped(cnftrace.mlp_flow, 21, key=key).vector_field) == 512
+    blocks = shaped(cnftrace.mlp_flow, 12, key=key, blocks=2, depth=1).blocks
     assert [_hidden_width(b.vector_field) for b in blocks] == [256, 256]
-    squash = cnftrace.mlp_flow(10, key=key, field="concatsquash").vector_field
+    squash = shaped(cnftrace.mlp_flow, 10, key=key, field="concatsquash").vector_field
     assert squash.layers[0].linear.weight.shape[0] == 256
     with pytest.raises(ValueError, match="`dim` must be an int >= 1"):
         cnftrace.mlp_flow(0, key=key)
@@ -129,6 +134,7 @@ def test_a_run_begun_under_an_older_recipe_resumes_as_it_began(
     assert "width: 64 there, 128 now" in capsys.readouterr().err
 
 
+@pytest.mark.optimized  # 400 training steps of the recipe's field, and validations
 def test_the_small_data_default_does_not_overfit(tmp_path):
     # 300 rows of a density whose log-density is known, trained with the command
     # line's defaults for a file (its recipe, validation every 50 steps, early
