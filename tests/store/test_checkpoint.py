@@ -217,7 +217,8 @@ def _fm_run():
 
 
 def test_resume_with_another_key_is_refused(tmp_path):
-    # The run of `_FM_RUN`: its step program is the one the history test compiles.
+    # The shared run of `_fm_run`: its step program is the one the history test
+    # compiles.
     flow, data, kwargs = _fm_run()
     kwargs |= dict(steps=2, progress=False, checkpoints=str(tmp_path))
     cnftrace.fit(flow, data, key=jr.key(1), **kwargs)
