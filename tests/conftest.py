@@ -11,9 +11,13 @@ import os
 # Two of XLA's loop optimisations are skipped too: hoisting invariant code out of
 # while loops and simplifying the loops took about a fifth of the compile time of a
 # CNF's gradient (diffrax's solves are nested while loops), and without them it
-# computes the same numbers, no slower at these sizes.
+# computes the same numbers, no slower at these sizes. XLA:CPU also splits each
+# program into parts that its threads generate code for in parallel: splitting took
+# about a sixth of a gradient's compile, and on two cores the threads only compete
+# with the suite's other worker, so the programs are generated whole (one part).
 _FAST_COMPILE = (
     "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
     "--xla_disable_hlo_passes=while-loop-invariant-code-motion,simplify-while-loops",
 )
 _FLAGS = os.environ.get("XLA_FLAGS", "")
