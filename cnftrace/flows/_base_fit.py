@@ -5,8 +5,10 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from scipy import optimize, special
 
+# SciPy's special functions and root finder are imported in the functions that use
+# them: a process that imports cnftrace without fitting a Student-t base (every
+# command's start) then does not load them.
 from .._checks import check_int
 from ._distributions import AbstractBase, StandardNormal
 from ._mixtures import GaussianMixture, StudentT, StudentTMixture
@@ -176,6 +178,8 @@ def _fit_mixture(train, max_components, covariance, seed):
 def _t_mixture_nll(rows, params) -> float:
     """The mean NLL of `rows` under a Student-t mixture `(weights, means, scale
     matrices or variances, df)`, in float64 NumPy."""
+    from scipy import special
+
     weights, means, covs, df = params
     if covs.ndim == 2:  # variances
         covs = np.stack([np.diag(c) for c in covs])
@@ -202,6 +206,8 @@ def _scores(fitted, params, train, val) -> dict[str, float]:
 def _t_log_density(x, means, chols, df):
     """`(log densities (n, k) of each Student-t component, squared Mahalanobis
     distances (n, k))` in float64 NumPy."""
+    from scipy import special
+
     n, d = x.shape
     k = means.shape[0]
     r2 = np.empty((n, k))
@@ -223,6 +229,8 @@ def _t_log_density(x, means, chols, df):
 def _t_mixture_em(x, weights, means, covs, df, diagonal: bool = False):
     """`(weights, means, scale matrices, df)` of a Student-t mixture fitted by EM
     (with ECM for `df`) from the given parameters."""
+    from scipy import optimize, special
+
     n, d = x.shape
     weights, means, covs = weights.copy(), means.copy(), covs.copy()
     df = np.asarray(df, np.float64).copy()
