@@ -76,10 +76,16 @@ def base_draws(base, key, n: int, dtype) -> tuple[Array, Array, Array]:
 
     bad = beyond(z)
     redrawn = jnp.sum(bad, dtype=jnp.int32)
-    for r in range(_REDRAWS):
-        again = base.sample(jr.fold_in(key, r + 1), n, dtype=dtype)
-        z = jnp.where(bad.reshape((n,) + (1,) * (z.ndim - 1)), again, z)
-        bad = beyond(z)
+
+    # The rounds as a loop, so that the program holds one copy of the base's sampler
+    # (a Student-t's is a rejection loop of its own) rather than one per round.
+    def again(r, carry):
+        z, bad = carry
+        fresh = base.sample(jr.fold_in(key, r + 1), n, dtype=dtype)
+        z = jnp.where(bad.reshape((n,) + (1,) * (z.ndim - 1)), fresh, z)
+        return z, beyond(z)
+
+    z, bad = jax.lax.fori_loop(0, _REDRAWS, again, (z, bad))
     return z, redrawn, jnp.sum(bad, dtype=jnp.int32)
 
 
