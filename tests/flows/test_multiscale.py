@@ -185,6 +185,11 @@ def test_fit_lowers_the_nll():
         learn_t1=True,
         key=key,
     )
+    # `fit` returns its parameters committed to their device, and a committed input
+    # makes `jit` compile again (another program): the untrained flow's parameters
+    # are committed too, so that both evaluations run one compiled program.
+    params, static = eqx.partition(flow, eqx.is_array)
+    flow = eqx.combine(jax.device_put(params, jax.devices()[0]), static)
     before = cnftrace.evaluate_nll(flow, data)
     trained, history = cnftrace.fit(
         flow,
