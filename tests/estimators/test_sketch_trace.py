@@ -327,20 +327,23 @@ def _field(y):
 
 @pytest.mark.parametrize("est", [cnftrace.HutchPlusPlus(6), cnftrace.XTrace(6)])
 def test_divergence(est):
+    """`divergence` returns the field's value and, for every key, the estimate
+    `trace` gives on the Jacobian; its mean over 20,000 keys is the exact
+    divergence. One compiled program: both, under `vmap` over the keys."""
     y = jr.normal(jr.key(17), (6,))
     exact = jnp.trace(jax.jacfwd(_field)(y))
 
-    @jax.jit
     def both(key):
         op = lx.JacobianLinearOperator(lambda x, _: _field(x), y)
         div = cnftrace.divergence(_field, y, estimator=est, key=key)
         return div, cnftrace.trace(op, estimator=est, key=key)
 
-    (fy, div), div_via_trace = both(jr.key(18))
-    np.testing.assert_allclose(fy, _field(y), rtol=1e-14)
+    keys = jr.split(jr.key(19), 20_000)
+    (fy, samples), via_trace = jax.jit(jax.vmap(both))(keys)
+    assert fy.shape == (20_000, 6)
+    np.testing.assert_allclose(fy, jnp.tile(_field(y), (20_000, 1)), rtol=1e-14)
     # The same estimate as `trace` on the Jacobian, for the same key.
-    np.testing.assert_allclose(div, div_via_trace, rtol=1e-10)
-    samples = jax.jit(jax.vmap(lambda k: both(k)[0][1]))(jr.split(jr.key(19), 20_000))
+    np.testing.assert_allclose(samples, via_trace, rtol=1e-10)
     mean, se = jnp.mean(samples), jnp.std(samples) / math.sqrt(samples.size)
     assert se > 0
     assert abs(mean - exact) < 4 * se, (mean, exact, se)

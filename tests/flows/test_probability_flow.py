@@ -432,10 +432,12 @@ def test_exact_estimate_and_its_standard_errors(velocity_flow):
     )
     with pytest.raises(ValueError, match="repeats=1"):
         velocity_flow.log_prob_estimate(x, repeats=3)
-    # One draw of a stochastic estimator cannot measure its own spread.
+    # One draw of a stochastic estimator cannot measure its own spread. The batch
+    # is the estimator test's 300 copies of the points: the program it compiled.
     single = velocity_flow.with_estimator(cnftrace.Hutchinson()).log_prob_estimate(
-        x, key=jr.key(5)
+        jnp.tile(x, (300, 1)), key=jr.key(5)
     )
+    assert single.repeats == 1 and single.stderr.shape == (1200,)
     assert bool(jnp.all(jnp.isnan(single.stderr)))
 
 
