@@ -30,16 +30,17 @@ def _orthogonal(angle: float, reflect: bool) -> jnp.ndarray:
 
 # A rotation with a reflection, a translation and a permutation of the particles.
 R = _orthogonal(0.7, reflect=True)
-SHIFT = jnp.array([3.0, -2.0])
+SHIFT = np.array([3.0, -2.0])
 
 
 def _shift(x):
-    """`x` translated by SHIFT (every particle of every sample)."""
+    """`x` translated by SHIFT (every particle of every sample): a NumPy array for
+    NumPy positions, a JAX array for JAX ones."""
     return x + SHIFT.reshape((1,) * (x.ndim - 1) + (D,))
 
 
 PERM = np.array([2, 0, 3, 1])
-R_NP, SHIFT_NP = np.asarray(R), np.asarray(SHIFT)
+R_NP = np.asarray(R)
 
 
 @eqx.filter_jit
@@ -78,7 +79,7 @@ def test_field_is_equivariant_and_mean_free(field):
     f = np.asarray(_field_at(field, t, jnp.asarray(y)))
     assert np.abs(f).max() > 0.1  # not trivially zero
     np.testing.assert_allclose(f.mean(axis=0), 0.0, atol=1e-15)
-    moved = jnp.asarray(y @ R_NP.T + SHIFT_NP)
+    moved = jnp.asarray(_shift(y @ R_NP.T))
     np.testing.assert_allclose(_field_at(field, t, moved), f @ R_NP.T, atol=1e-13)
     permuted = _field_at(field, t, jnp.asarray(y[PERM]))
     np.testing.assert_allclose(permuted, f[PERM], atol=1e-14)
