@@ -6,12 +6,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-# SciPy's special functions and root finder are imported in the functions that use
-# them: a process that imports cnftrace without fitting a Student-t base (every
-# command's start) then does not load them.
 from .._checks import check_int
 from ._distributions import AbstractBase, StandardNormal
 from ._mixtures import GaussianMixture, StudentT, StudentTMixture
+
+# SciPy's special functions and root finder are imported in the functions that use
+# them: a process that imports cnftrace without fitting a Student-t base (every
+# command's start) then does not load them.
 
 BASE_KINDS = ("auto", "normal", "mixture", "t-mixture", "student-t")
 # The degrees of freedom EM starts from (the best of these).
