@@ -151,21 +151,25 @@ def test_parameters_round_trip_and_bad_ones_are_refused():
         )
 
 
+def _coarse_flow(key, **kwargs):
+    """A one-block `mlp_flow` in 2-D, 8 wide, with coarse solver settings; the
+    keyword arguments go to `mlp_flow`."""
+    return cnftrace.mlp_flow(
+        2, key=key, width=8, depth=1, rtol=1e-3, atol=1e-3, **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def zero_flows():
     """For each base, a one-block flow over it whose field starts at zero (the
     default of `mlp_flow` with a fitted base; asked for with the standard normal),
     with coarse solver settings."""
     flows = {
-        name: cnftrace.mlp_flow(
-            2, key=jr.key(0), width=8, depth=1, base=base, rtol=1e-3, atol=1e-3
-        )
+        name: _coarse_flow(jr.key(0), base=base)
         for name, (base, _) in BASES.items()
         if name != "normal"
     }
-    flows["normal"] = cnftrace.mlp_flow(
-        2, key=jr.key(0), width=8, depth=1, zero_last=True, rtol=1e-3, atol=1e-3
-    )
+    flows["normal"] = _coarse_flow(jr.key(0), zero_last=True)
     return flows
 
 
@@ -314,16 +318,7 @@ def test_save_and_load_keep_the_base(zero_flows, tmp_path, kind):
     path = cnftrace.save(str(tmp_path / "flow.eqx"), flow)
     components = None if kind in ("normal", "student-t") else 2
     template = base_template(kind, 2, components, dtype=jnp.float64)
-    like = cnftrace.mlp_flow(
-        2,
-        key=jr.key(1),
-        width=8,
-        depth=1,
-        base=template,
-        zero_last=False,
-        rtol=1e-3,
-        atol=1e-3,
-    )
+    like = _coarse_flow(jr.key(1), base=template, zero_last=False)
     loaded = cnftrace.load(path, like=like)
     x = np.random.default_rng(4).normal(size=(5, 2))
     assert np.array_equal(loaded.log_prob(x), flow.log_prob(x))
