@@ -17,11 +17,15 @@ def small_flow(key=None, d=2, *, width=8, depth=1, field=None, **kwargs):
     return cnftrace.CNF(field(d, width=width, depth=depth, key=key), d, **kwargs)
 
 
-def traces_of(call):
+TRACED = "/jax/core/compile/jaxpr_trace_duration"
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
+def traces_of(call, event=TRACED):
     """`call()`'s result (waited for) and the names of the programs JAX traced for
-    it."""
+    it (with `event=LOWERED`, lowered for compiling: a program traced before is
+    lowered again for arguments placed otherwise)."""
     traces = []
-    event = "/jax/core/compile/jaxpr_trace_duration"
     listener = lambda name, *_, fun_name=None, **__: (  # noqa: E731
         traces.append(fun_name) if name == event else None
     )

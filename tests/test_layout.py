@@ -12,9 +12,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "cnftrace")
 # Bottom to top (DESIGN.md's order); a layer may import the layers before it. `_io`,
-# `_checks`, `_custom_types` and `_defaults` (the default settings) are the bottom of
-# all. `store` (checkpoint files, history logs, locks) knows nothing of flows: `fit`
-# writes its checkpoints through it, and `runs` builds run directories on it.
+# `_checks`, `_custom_types`, `_defaults` (the default settings) and `_placement`
+# (committing a program's arguments) are the bottom of all. `store` (checkpoint
+# files, history logs, locks) knows nothing of flows: `fit` writes its checkpoints
+# through it, and `runs` builds run directories on it.
 LAYERS = (
     "estimators",
     "ode",
@@ -28,7 +29,7 @@ LAYERS = (
     "runs",
     "cli",
 )
-BASE = ("_io", "_checks", "_custom_types", "_defaults")
+BASE = ("_io", "_checks", "_custom_types", "_defaults", "_placement")
 MODULES = sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True))
 
 

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 
 from .._checks import check_int
 from .._custom_types import Key
+from .._placement import committed
 
 # Each marginal has mean 0 and variance 1.
 MARGINALS: tuple[str, ...] = ("bimodal", "gumbel", "laplace", "student5", "gamma2")
@@ -136,6 +137,29 @@ class KnownDensity(eqx.Module):
         """The exact log-density of each row of `x`."""
 
 
+class _Compiled(KnownDensity):
+    """A known density whose `sample` and `log_prob` run the compiled programs
+    `_sample` and `_log_prob`, with the arguments committed to one device (so that
+    host data and samples from a compiled program share one program)."""
+
+    def sample(self, key, n, dtype=None):
+        dtype = jnp.result_type(float) if dtype is None else dtype
+        density, key = committed((self, key))
+        return density._sample(key, check_int("n", n), dtype)
+
+    def log_prob(self, x):
+        density, x = committed((self, x))
+        return density._log_prob(x)
+
+    @abc.abstractmethod
+    def _sample(self, key: Key, n: int, dtype) -> Float[Array, "n dim"]:
+        """`sample`'s compiled program."""
+
+    @abc.abstractmethod
+    def _log_prob(self, x: Float[Array, "n dim"]) -> Float[Array, " n"]:
+        """`log_prob`'s compiled program."""
+
+
 def mixture_log_prob(x, log_weights, means, cholesky) -> Array:
     """The log-density of each row of `x` under the mixture of Gaussians with these
     `means` and Cholesky factors of their covariances, weighted by
@@ -165,16 +189,12 @@ def mixture_sample(key, n, dtype, log_weights, means, cholesky) -> Array:
     return means.astype(dtype)[which] + jnp.einsum("nij,nj->ni", chol, eps)
 
 
-class _GaussianMixture(KnownDensity):
+class _GaussianMixture(_Compiled):
     name: str = eqx.field(static=True)
     dim: int = eqx.field(static=True)
     log_weights: Float[Array, " k"]
     means: Float[Array, "k dim"]
     cholesky: Float[Array, "k dim dim"]
-
-    def sample(self, key, n, dtype=None):
-        dtype = jnp.result_type(float) if dtype is None else dtype
-        return self._sample(key, check_int("n", n), dtype)
 
     @eqx.filter_jit
     def _sample(self, key, n, dtype):
@@ -183,12 +203,12 @@ class _GaussianMixture(KnownDensity):
         )
 
     @eqx.filter_jit
-    def log_prob(self, x):
+    def _log_prob(self, x):
         x = _check_points(x, self.dim)
         return mixture_log_prob(x, self.log_weights, self.means, self.cholesky)
 
 
-class _WarpedProduct(KnownDensity):
+class _WarpedProduct(_Compiled):
     """`x = scale * (R @ warp(s))` for `s` a product of marginals; `warp` applies the
     volume-preserving `s_j += b (s_i**2 - 1)` for each `(i, j, b)` in order."""
 
@@ -218,16 +238,12 @@ class _WarpedProduct(KnownDensity):
             s = s.at[:, j].add(b * (s[:, i] ** 2 - 1))
         return s @ self.rotation.T.astype(dtype)
 
-    def sample(self, key, n, dtype=None):
-        dtype = jnp.result_type(float) if dtype is None else dtype
-        return self._sample(key, check_int("n", n), dtype)
-
     @eqx.filter_jit
     def _sample(self, key, n, dtype):
         return self._unscaled(key, n, dtype) * self.scale.astype(dtype)[None]
 
     @eqx.filter_jit
-    def log_prob(self, x):
+    def _log_prob(self, x):
         x = _check_points(x, self.dim)
         s = (x / self.scale.astype(x.dtype)[None]) @ self.rotation.astype(x.dtype)
         for i, j, b in reversed(self.warps):

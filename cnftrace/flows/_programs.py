@@ -12,6 +12,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array
 
+from .._placement import committed
 from ..ode import SolveStats
 from ._inputs import tracing
 
@@ -21,13 +22,15 @@ def _compiled(fn: Callable) -> Callable:
     static arguments) when called on concrete values: run op by op, a first call
     compiles about a hundred small programs. Inside a caller's transformation (any
     argument traced) it is inlined as it is, so that values the caller traces are
-    never baked into a program of their own."""
+    never baked into a program of their own. The arguments' arrays are committed
+    to one device first, so that a flow fresh or trained, and data from the host or
+    from a compiled program, share the program."""
     jitted = eqx.filter_jit(fn)
 
     def call(flow, *args):
         if tracing((flow, args)):
             return fn(flow, *args)
-        return jitted(flow, *args)
+        return jitted(*committed((flow, *args)))
 
     return call
 

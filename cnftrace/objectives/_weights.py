@@ -17,6 +17,7 @@ from jaxtyping import Array, Float
 from .._checks import check_int, check_key
 from .._custom_types import Key
 from .._defaults import EVAL_BATCH_SIZE
+from .._placement import committed
 from ..estimators import AbstractEstimator, Exact
 from ..estimators._base import check_estimator
 from ..flows import AbstractFlow, SolverError
@@ -363,9 +364,8 @@ def importance_weights(
     parts: dict[str, list] = {"x": [], "log_q": [], "log_p": []}
     for i, start in enumerate(range(0, n, batch_size)):
         size = min(batch_size, n - start)
-        x, log_q, log_p, _, result = _weights_chunk(
-            model, log_target, jr.fold_in(key, i), size, dtype
-        )
+        arrays = committed((model, log_target, jr.fold_in(key, i)))
+        x, log_q, log_p, _, result = _weights_chunk(*arrays, size, dtype)
         if result != diffrax.RESULTS.successful:
             raise SolverError(
                 f"the ODE solve failed drawing samples {start} to {start + size - 1}: "

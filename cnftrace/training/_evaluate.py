@@ -11,6 +11,7 @@ from jaxtyping import Array, Float
 from .._checks import check_context, check_int
 from .._custom_types import Key
 from .._defaults import EVAL_BATCH_SIZE
+from .._placement import committed
 from ..estimators import AbstractEstimator, Exact
 from ..flows import AbstractFlow, SolverError
 from ..flows._inputs import need_key, validate_input
@@ -128,7 +129,7 @@ def log_prob_batched(
         chunk = x[rows]
         ctx = None if context is None else context[rows]
         k = None if key is None else jr.fold_in(key, i)
-        lp, nfe, result = _log_prob_nfe_result(model, chunk, k, ctx)
+        lp, nfe, result = _log_prob_nfe_result(*committed((model, chunk, k, ctx)))
         if result != diffrax.RESULTS.successful:
             raise SolverError(
                 f"the ODE solve failed on samples {start} to "

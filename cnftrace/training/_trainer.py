@@ -24,6 +24,7 @@ from .._checks import (
 )
 from .._custom_types import Key
 from .._defaults import BATCH_SIZE
+from .._placement import committed
 from ..flows import AbstractFlow
 from ..objectives import AbstractObjective
 from ..objectives._names import resolve_objective
@@ -33,12 +34,6 @@ from ._parallel import DataParallel, MeshSpec, check_batch_size, resolve_mesh
 from ._state import StepCounters, TrainState, copy_arrays, raise_for_failures
 
 DataSource = Float[Array, "n ..."] | Callable[[Key, int], Any]
-
-
-def _committed(x):
-    if isinstance(x, np.ndarray):
-        x = jnp.asarray(x)
-    return jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x
 
 
 @eqx.filter_jit
@@ -268,7 +263,7 @@ class Trainer(eqx.Module):
         if self.mesh is not None:
             return self.mesh.replicate(state)
         # Committed like the step's output, or the second step would compile again.
-        return jax.tree_util.tree_map(_committed, state)
+        return committed(state)
 
     def step(self, state: TrainState) -> tuple[TrainState, dict[str, Array]]:
         """One jitted training step, its randomness from `fold_in(key, state.step)`.

@@ -10,7 +10,7 @@ import jax.random as jr
 import jax.scipy as jsp
 import numpy as np
 import pytest
-from _flows import small_flow, traces_of
+from _flows import LOWERED, small_flow, traces_of
 
 import cnftrace
 
@@ -426,6 +426,14 @@ def test_methods_on_concrete_values_are_one_program_each():
     np.testing.assert_allclose(jitted(flow, y), again, rtol=1e-6, atol=1e-6)
     samples, traces = traces_of(lambda: flow.sample(jr.key(1), 7))
     assert len(traces) <= 3, traces
+    # A flow and data committed to their device (as `fit` returns its flow) reuse
+    # the program of the uncommitted `flow` and `x`.
+    commit = lambda a: jax.device_put(a, a.sharding) if eqx.is_array(a) else a  # noqa: E731
+    trained = jax.tree_util.tree_map(commit, flow)
+    for f, data in ((flow, commit(y)), (trained, y)):
+        out, lowered = traces_of(lambda f=f, data=data: f.log_prob(data), LOWERED)
+        assert lowered == [], (lowered, f is trained)
+    np.testing.assert_allclose(out, again, rtol=1e-12)
     other, traces = traces_of(lambda: flow.sample(jr.key(2), 7))
     assert traces == [] and not np.allclose(samples, other)
     z, traces = traces_of(lambda: flow.forward(x))

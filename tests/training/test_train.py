@@ -11,7 +11,7 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from _flows import small_flow, traces_of
+from _flows import LOWERED, small_flow, traces_of
 
 import cnftrace
 from cnftrace import plot as cnftrace_plot
@@ -66,14 +66,7 @@ def test_fit_improves_gaussian_fit_and_is_reproducible():
     np.testing.assert_array_equal(cnftrace.evaluate_nll(flow, test).mean, before.mean)
     # The same key gives the same run, with the first run's compiled step: nothing
     # is lowered to XLA again.
-    lowered = []
-    event = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-    listener = lambda name, *_, **__: lowered.append(name) if name == event else None  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        _, hist2 = run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    (_, hist2), lowered = traces_of(run, LOWERED)
     assert hist2["loss"] == hist["loss"]
     assert lowered == []
     # The trained flow keeps its evaluation estimator (exact).
