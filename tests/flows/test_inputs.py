@@ -17,6 +17,7 @@ from _paths import ROOT
 
 import cnftrace
 from cnftrace._checks import MAX_ELEMENTS, memory_limit
+from cnftrace._placement import committed
 
 
 def _flow(field=None, **kwargs):
@@ -161,3 +162,25 @@ def test_the_divergence_at_an_empty_point_is_refused_by_name():
         cnftrace.divergence(jnp.tanh, jnp.ones(0))
     fy, div = cnftrace.divergence(jnp.tanh, jnp.ones(()))  # a scalar is a point
     assert float(div) == pytest.approx(1 - math.tanh(1) ** 2, rel=1e-12)
+
+
+def test_program_arguments_are_committed_to_one_device():
+    """`committed` commits every array of a tree (NumPy arrays as JAX arrays of the
+    same values and dtype), to the device of those already committed, and leaves
+    trees with traced values alone."""
+    loose = jnp.arange(3.0)
+    device = jax.devices()[0]
+    fixed = jax.device_put(jnp.ones(2), device)
+    host = np.arange(4, dtype=np.int32)
+    tree = {"a": loose, "b": fixed, "c": host, "d": 1.5, "e": "name"}
+    out = committed(tree)
+    assert not loose.committed  # the caller's arrays are left as they are
+    assert all(out[k].committed for k in "abc") and out["b"] is fixed
+    assert {next(iter(out[k].devices())) for k in "abc"} == {device}
+    np.testing.assert_array_equal(out["a"], loose)
+    np.testing.assert_array_equal(out["c"], host)
+    assert out["c"].dtype == host.dtype and (out["d"], out["e"]) == (1.5, "name")
+    assert committed(fixed) is fixed
+    inside = []
+    jax.jit(lambda x: inside.append(committed((x, loose))) or x)(1.0)
+    assert inside[0][1] is loose
