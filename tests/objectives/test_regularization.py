@@ -93,6 +93,8 @@ def test_chain_sums_blocks_and_inverse_integrals_are_positive():
         )
     )
     _, _, _, r_inv = inverse(b1, z1)
+    assert np.all(np.asarray(r_inv.kinetic) > 0), r_inv.kinetic
+    assert np.all(np.asarray(r_inv.jacobian) > 0), r_inv.jacobian
     np.testing.assert_allclose(r_inv.kinetic, r1.kinetic, rtol=1e-8)
     np.testing.assert_allclose(r_inv.jacobian, r1.jacobian, rtol=1e-9)
 
