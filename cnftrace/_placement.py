@@ -32,11 +32,12 @@ def committed(tree):
         (target,) = placed
         if len(target.device_set) != 1:
             return tree
-    if not any(_uncommitted(x) for x in leaves):
+    loose = [_uncommitted(x) for x in leaves]
+    if not any(loose):
         return tree
     out = []
-    for x in leaves:
-        if _uncommitted(x):
+    for x, place in zip(leaves, loose):
+        if place:
             x = jnp.asarray(x) if isinstance(x, np.ndarray) else x
             x = jax.device_put(x, x.sharding if target is None else target)
         out.append(x)

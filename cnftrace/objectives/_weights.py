@@ -361,6 +361,9 @@ def importance_weights(
     model = flow.with_estimator(estimator)
     need_key(key, model.estimators())
     dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
+    # The model's and the target's arrays committed once; each chunk's key then goes
+    # to the same device.
+    model, log_target = committed((model, log_target))
     parts: dict[str, list] = {"x": [], "log_q": [], "log_p": []}
     for i, start in enumerate(range(0, n, batch_size)):
         size = min(batch_size, n - start)

@@ -115,6 +115,8 @@ def log_prob_batched(
         # The exact trace draws nothing: without the key, an evaluation with one
         # (fit's validation) and one without (the test set's) are one program.
         key = None
+    # The model's arrays committed once; each chunk's then go to the same device.
+    model = committed(model)
     values, nfes = [], []
     for i, start in enumerate(range(0, n, batch_size)):
         m = min(batch_size, n - start)
