@@ -36,7 +36,7 @@ def main(argv=None):
 
     # The README's first example: cnftrace's default field and recipe (MLPField
     # 2-64-64-64-2 with SiLU and sinusoidal time features, T = 0.5, Tsit5 at 1e-5 for
-    # evaluation; fit's defaults: one Rademacher probe and the solver at 1e-3 in
+    # evaluation; fit's defaults: one Rademacher probe and the solver at 1e-2 in
     # training, Adam warming up to 3e-3 with a cosine decay).
     field = cnftrace.MLPField(2, key=model_key)
     flow = cnftrace.CNF(field, dim=2)

@@ -4,8 +4,8 @@ variants at once.
 
 Each variant trains one flow with `cnftrace.fit` on fresh samples and scores it with
 the exact trace on 20,000 held-out points: the gap `flow NLL - true NLL` with its
-paired standard error. The base is today's default: `MLPField` 64 x 3 SiLU with 3
-time frequencies, T = 0.5, one Rademacher probe, training tolerance 1e-3,
+paired standard error. The base is the default when the sweep ran: `MLPField` 64 x 3
+SiLU with 3 time frequencies, T = 0.5, one Rademacher probe, training tolerance 1e-3,
 `warmup_cosine_adam(steps, 3e-3)`, 2,000 steps of 512. A variant changes the keys
 it names (see `VARIANTS`); `--set NAME:key=value,...` adds one.
 

@@ -26,11 +26,20 @@ gap = the model's NLL on the curve's points - their true NLL, exact trace.
   each of cnftrace's curve seconds and at the end (at the training seconds then
   spent), and on the test set at the end.
 
+Candidates, each a curve of its own after the default's, in the same run:
+`--fm-share S` trains by flow matching for that share of the budget before maximum
+likelihood; `--candidate NAME=VALUE,...` (repeatable) changes one or more factors of
+the default recipe where a user would change them: `width` (`mlp_flow(...,
+width=)`), `batch` (`fit(..., batch_size=)`), `probes` and `tolerance` (`fit(...,
+objective=MaximumLikelihood(Hutchinson(probes), tolerance=...))`).
+
 Seconds to a level: the training seconds of the first curve point at or under it
 ("not reached" otherwise). The plot draws gaps on a log axis, so a gap at or under
 zero (within the noise of a model as good as the truth) is left out of its line.
 
     python -m experiments.bench.b5_curves --dims 10 --seconds 300
+    python -m experiments.bench.b5_curves --dims 10 --peers none \
+        --candidate tolerance=0.01 --candidate batch=256
 """
 
 import argparse
@@ -78,6 +87,9 @@ LABELS = {
 # Each system's colour: the benchmark figures' own, and one more for the candidate.
 SYSTEM_COLORS = {key: COLORS.get(label, "C3") for key, label in LABELS.items()}
 FM_EVERY = 1000  # flow-matching steps between the warm start's validations
+# The factors a candidate (`--candidate`) may change, and their types: the field's
+# width, the batch, the trace estimator's probes and the training solve's tolerance.
+SETTINGS = {"width": int, "batch": int, "probes": int, "tolerance": float}
 
 
 def seconds_to(curve, level: float) -> float | None:
@@ -116,6 +128,7 @@ def cnftrace_curve(
     every: int | None = None,
     fm_share: float = 0.0,
     seed: int = 0,
+    settings: dict | None = None,
 ) -> dict:
     """cnftrace's defaults with a budget of `seconds`, validated on `points` (the
     curve) every `every` steps (`None`: at the pace of a calibration run), and its
@@ -123,9 +136,12 @@ def cnftrace_curve(
     `fm_share`, a candidate recipe: that share of the budget trains by flow
     matching (`objective="fm"`, validated every `FM_EVERY` steps), and maximum
     likelihood starts from its model for the rest, with a fresh optimiser
-    (`fm_share=1`: flow matching alone)."""
+    (`fm_share=1`: flow matching alone). `settings` (see `SETTINGS`) changes one
+    or more factors of the default recipe, each where a user would change it."""
+    settings = dict(settings or {})
     model_key, train_key = jr.split(jr.key(seed))
-    flow = cnftrace.mlp_flow(target.dim, key=model_key)
+    flow = cnftrace.mlp_flow(target.dim, key=model_key, width=settings.get("width"))
+    batch, objective = _batch_and_objective(settings)
     sizes = set()
 
     def sample(key, n):
@@ -150,6 +166,8 @@ def cnftrace_curve(
     if fm_share < 1:
         # After flow matching, maximum likelihood by name: on a sampler of
         # many dimensions `fit`'s default is flow matching itself.
+        if objective is None and fm_share > 0:
+            objective = "mle"
         trained, history, every, calibration_s, wall_s = _likelihood_phase(
             flow,
             sample,
@@ -157,7 +175,8 @@ def cnftrace_curve(
             points,
             seconds - fm_s,
             every,
-            objective="mle" if fm_share > 0 else None,
+            objective=objective,
+            batch_size=batch,
         )
         curve += _curve(history, true_nll, fm_s, fm_steps)[1 if fm_steps else 0 :]
         steps, train_s = history["step"][-1], fm_s + history["seconds"][-1]
@@ -165,6 +184,8 @@ def cnftrace_curve(
     recipe = dict(architecture(flow), steps=steps, batch=max(sizes))
     if fm_steps:
         recipe.update(fm_share=fm_share, fm_steps=fm_steps, fm_s=fm_s)
+    if settings:
+        recipe["settings"] = settings
     return _times(
         {
             "system": f"cnftrace {cnftrace.__version__}",
@@ -181,11 +202,57 @@ def cnftrace_curve(
     )
 
 
-def _likelihood_phase(flow, sample, key, points, seconds: float, every, objective=None):
-    """`fit`'s defaults (its default objective unless `objective` is given) for
-    `seconds`, validated on `points` every `every` steps (`None`: calibrated); the
-    trained flow, its history, `every`, and the calibration's and the run's wall
-    seconds."""
+def _batch_and_objective(settings: dict):
+    """`fit`'s `batch_size` and `objective` for a candidate's `settings` (`None`:
+    `fit`'s own default); maximum likelihood with the default
+    estimator and tolerance but for the `probes` and `tolerance` it names."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise ValueError(
+            f"settings: unknown {sorted(unknown)}; known: {list(SETTINGS)}"
+        )
+    batch = settings.get("batch")
+    objective = None
+    if "probes" in settings or "tolerance" in settings:
+        kwargs = {"estimator": cnftrace.Hutchinson(settings.get("probes", 1))}
+        if "tolerance" in settings:
+            kwargs["tolerance"] = settings["tolerance"]
+        objective = cnftrace.MaximumLikelihood(**kwargs)
+    return batch, objective
+
+
+def parse_settings(spec: str) -> dict:
+    """`"width=128,tolerance=0.01"` as `{"width": 128, "tolerance": 0.01}`: the
+    factors of `SETTINGS`, each once, with a value of its type."""
+    out = {}
+    for part in spec.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in SETTINGS or name in out:
+            raise ValueError(
+                f"{part.strip()!r}: NAME=VALUE with NAME one of {', '.join(SETTINGS)}, "
+                "each once"
+            )
+        kind = SETTINGS[name]
+        try:
+            number = kind(value)
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise ValueError(f"{name}: a {what}; got {value!r}") from None
+        if not 0 < number < float("inf"):
+            raise ValueError(f"{name}: a positive number; got {value!r}")
+        out[name] = number
+    return out
+
+
+def _likelihood_phase(
+    flow, sample, key, points, seconds: float, every, objective=None, batch_size=None
+):
+    """`fit`'s defaults (its default objective unless `objective` is given, its
+    default batch unless `batch_size` is) for `seconds`, validated on `points`
+    every `every` steps (`None`: calibrated); the trained flow, its history,
+    `every`, and the calibration's and the run's wall seconds."""
+    sized = {} if batch_size is None else {"batch_size": batch_size}
     start = time.perf_counter()
     if every is None:
         _, calibration = cnftrace.fit(
@@ -196,6 +263,7 @@ def _likelihood_phase(flow, sample, key, points, seconds: float, every, objectiv
             steps=CALIBRATION_STEPS,
             objective=objective,
             progress=False,
+            **sized,
         )
         every = validation_every(calibration["seconds"], seconds)
     calibration_s = time.perf_counter() - start
@@ -208,6 +276,7 @@ def _likelihood_phase(flow, sample, key, points, seconds: float, every, objectiv
         objective=objective,
         validation=cnftrace.Validation(points, every=every),
         progress=progress(),
+        **sized,
     )
     return trained, history, every, calibration_s, time.perf_counter() - start
 
@@ -272,6 +341,7 @@ def run(
     fm_share: float = 0.0,
     seed: int = 0,
     device: str = "cpu",
+    candidates=(),
 ) -> dict:
     """A row per d of `dims`: cnftrace's curve, then each of zuko's `peers` at the
     seconds of its points. `on_row(key, row)` is called as each row is done.
@@ -279,7 +349,8 @@ def run(
     (smoke runs). `fm_share` > 0: also the flow-matching warm start's curve
     (see `cnftrace_curve`). `seed`: cnftrace's model and run (the density and its
     points stay those of seed 0). `device`: torch's, where zuko trains ("cuda" on
-    a GPU; cnftrace runs on JAX's default device)."""
+    a GPU; cnftrace runs on JAX's default device). `candidates`: settings (see
+    `parse_settings`), each a candidate's curve after the default's."""
     zuko_peer, missing = zuko_peer_module() if peers else (None, None)
     out = {}
     for d in dims:
@@ -302,6 +373,12 @@ def run(
             )
             candidate = json.dumps(row["cnftrace_fm"])
             print(f"B5 curves d={d}: candidate {candidate}", flush=True)
+        for settings in candidates:
+            result = cnftrace_curve(
+                target, points, test, seconds, every, seed=seed, settings=settings
+            )
+            row[candidate_key(settings)] = result
+            print(f"B5 curves d={d}: candidate {json.dumps(result)}", flush=True)
         at_s = [s for s, _, _ in ours["curve"]]
         for model in peers:
             if zuko_peer is None:
@@ -318,9 +395,18 @@ def run(
     return out
 
 
+def candidate_key(settings: dict) -> str:
+    """The row's key of a candidate's result: `cnftrace_` and its settings."""
+    return "cnftrace_" + "_".join(f"{k}{v:g}" for k, v in sorted(settings.items()))
+
+
 def _label(key: str, result: dict) -> str:
-    """The name of a system's line and row: the candidate's says what share of its
-    budget went to flow matching before maximum likelihood."""
+    """The name of a system's line and row: a candidate's says what share of its
+    budget went to flow matching before maximum likelihood, or which settings it
+    changed."""
+    settings = result.get("recipe", {}).get("settings")
+    if settings:
+        return "cnftrace, " + ", ".join(f"{k} {v:g}" for k, v in settings.items())
     share = result.get("recipe", {}).get("fm_share")
     if share == 1:
         return "cnftrace, flow matching alone"
@@ -330,8 +416,10 @@ def _label(key: str, result: dict) -> str:
 
 
 def _systems(row: dict):
-    """`(key, result)` of each system of `row` that ran."""
-    for key in LABELS:
+    """`(key, result)` of each system of `row` that ran: those of `LABELS`, then
+    the candidates of `--candidate`."""
+    keys = list(LABELS) + [k for k in row if k.startswith("cnftrace_")]
+    for key in dict.fromkeys(keys):
         result = row.get(key)
         if isinstance(result, dict) and "curve" in result:
             yield key, result
@@ -373,11 +461,11 @@ def figure(plt, res: dict):
         squeeze=False,
     )
     for ax, row in zip(axes[0], rows):
-        for key, r in _systems(row):
+        for i, (key, r) in enumerate(_systems(row)):
             points = [(s, gap) for s, _, gap in r["curve"] if gap > 0]
             if points:
                 s, gap = zip(*points)
-                label, color = _label(key, r), SYSTEM_COLORS[key]
+                label, color = _label(key, r), SYSTEM_COLORS.get(key, f"C{i + 4}")
                 ax.plot(s, gap, "o-", ms=3, label=label, color=color)
         ticks = [0.01, 0.03, 0.05, 0.1, 0.3, 1, 3, 10]
         title = f"B5, warped_product({row['dim']})"
@@ -441,6 +529,14 @@ def main(argv=None) -> None:
         "flow matching before maximum likelihood (1: flow matching alone)",
     )
     parser.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        help="also run the defaults with these factors changed, as NAME=VALUE,... "
+        f"with NAME one of {', '.join(SETTINGS)} (e.g. width=128 or "
+        "tolerance=0.01,batch=256); repeat for several candidates",
+    )
+    parser.add_argument(
         "--out-dir",
         help="where the JSON, table and plot go (default: experiments/results and "
         "docs/images); for smoke runs",
@@ -477,6 +573,10 @@ def main(argv=None) -> None:
     for flag, n in (("--curve-size", args.curve_size), ("--test-size", args.test_size)):
         if n < 2:
             parser.error(f"{flag}: at least 2 points (for a standard error); got {n}.")
+    try:
+        candidates = [parse_settings(spec) for spec in args.candidate]
+    except ValueError as e:
+        parser.error(f"--candidate: {e}")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     peers = [] if peers == ["none"] else peers
     if set(peers) - set(PEERS):
@@ -504,6 +604,7 @@ def main(argv=None) -> None:
         args.fm_share,
         args.seed,
         args.device,
+        candidates,
     )
     with open(stem + ".md") as f:
         print(f.read())

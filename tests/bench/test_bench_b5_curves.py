@@ -10,6 +10,7 @@ import os
 import jax
 import pytest
 
+import cnftrace
 from experiments import _common
 from experiments.bench import b5_curves
 
@@ -110,6 +111,8 @@ def test_bad_arguments_are_refused(tmp_path):
         ["--peers", "maf"],
         ["--dims", "two"],
         ["--fm-share", "1.5"],
+        ["--candidate", "width=0"],
+        ["--candidate", "depth=2"],
     ):
         with pytest.raises(SystemExit):
             b5_curves.main([*argv, "--out-dir", str(tmp_path)])
@@ -125,3 +128,34 @@ def test_the_candidate_is_named_by_its_share():
     assert b5_curves._label("cnftrace_fm", alone) == "cnftrace, flow matching alone"
     assert b5_curves._label("cnftrace", {"recipe": {}}) == "cnftrace"
     assert b5_curves._label("zuko_nsf", {}) == "zuko NSF"
+
+
+def test_candidate_settings_are_parsed_applied_and_named():
+    settings = b5_curves.parse_settings("tolerance=0.01,probes=2,batch=256")
+    assert settings == {"tolerance": 0.01, "probes": 2, "batch": 256}
+    assert [type(v) for v in settings.values()] == [float, int, int]
+    for bad, words in (
+        ("width=1.5", "whole number"),
+        ("width=-8", "positive"),
+        ("tolerance=inf", "positive"),
+        ("width=8,width=16", "each once"),
+        ("depth=2", "NAME=VALUE"),
+        ("width", "NAME=VALUE"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            b5_curves.parse_settings(bad)
+    batch, objective = b5_curves._batch_and_objective(settings)
+    assert batch == 256 and isinstance(objective, cnftrace.MaximumLikelihood)
+    assert objective.tolerance == 0.01 and objective.estimator.num_probes == 2
+    default = cnftrace.MaximumLikelihood()
+    assert objective.estimator.sampler == default.estimator.sampler
+    # Neither probes nor tolerance: `fit` keeps its own objective (by dimension).
+    assert b5_curves._batch_and_objective({"width": 128}) == (None, None)
+    key = b5_curves.candidate_key(settings)
+    assert key == "cnftrace_batch256_probes2_tolerance0.01"
+    result = {"recipe": {"settings": settings}, "curve": []}
+    assert b5_curves._label(key, result) == (
+        "cnftrace, tolerance 0.01, probes 2, batch 256"
+    )
+    row = {"zuko_nsf": {"curve": []}, key: result, "cnftrace": {"curve": []}}
+    assert [k for k, _ in b5_curves._systems(row)] == ["cnftrace", "zuko_nsf", key]

@@ -49,7 +49,7 @@ def test_every_setting_is_a_flag_whose_help_states_its_default():
 def test_flags_become_settings():
     config = _parse("--width", "8", "--data", "a.csv", "b.csv", "--learn-t1")
     assert config.width == 8 and config.learn_t1 and config.data == ("a.csv", "b.csv")
-    assert config.train_tol == 1e-3 and _parse("--train-tol", "none").train_tol is None
+    assert config.train_tol == 1e-2 and _parse("--train-tol", "none").train_tol is None
     resolved = _parse().resolved()
     assert (resolved.steps, resolved.batch_size, resolved.patience) == (2400, 128, None)
     assert resolved.activation == "silu"
