@@ -204,21 +204,20 @@ def cnftrace_curve(
 
 def _batch_and_objective(settings: dict):
     """`fit`'s `batch_size` and `objective` for a candidate's `settings` (`None`:
-    `fit`'s own default); maximum likelihood with the default
-    estimator and tolerance but for the `probes` and `tolerance` it names."""
+    `fit`'s own default); `MaximumLikelihood`'s own estimator and tolerance but for
+    the `probes` and `tolerance` it names."""
     unknown = set(settings) - set(SETTINGS)
     if unknown:
         raise ValueError(
             f"settings: unknown {sorted(unknown)}; known: {list(SETTINGS)}"
         )
-    batch = settings.get("batch")
-    objective = None
-    if "probes" in settings or "tolerance" in settings:
-        kwargs = {"estimator": cnftrace.Hutchinson(settings.get("probes", 1))}
-        if "tolerance" in settings:
-            kwargs["tolerance"] = settings["tolerance"]
-        objective = cnftrace.MaximumLikelihood(**kwargs)
-    return batch, objective
+    kwargs = {}
+    if "probes" in settings:
+        kwargs["estimator"] = cnftrace.Hutchinson(num_probes=settings["probes"])
+    if "tolerance" in settings:
+        kwargs["tolerance"] = settings["tolerance"]
+    objective = cnftrace.MaximumLikelihood(**kwargs) if kwargs else None
+    return settings.get("batch"), objective
 
 
 def parse_settings(spec: str) -> dict:

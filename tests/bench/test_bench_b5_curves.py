@@ -149,6 +149,9 @@ def test_candidate_settings_are_parsed_applied_and_named():
     assert objective.tolerance == 0.01 and objective.estimator.num_probes == 2
     default = cnftrace.MaximumLikelihood()
     assert objective.estimator.sampler == default.estimator.sampler
+    # The tolerance alone keeps maximum likelihood's own estimator.
+    _, loose = b5_curves._batch_and_objective({"tolerance": 0.1})
+    assert loose.estimator == default.estimator and loose.tolerance == 0.1
     # Neither probes nor tolerance: `fit` keeps its own objective (by dimension).
     assert b5_curves._batch_and_objective({"width": 128}) == (None, None)
     key = b5_curves.candidate_key(settings)
