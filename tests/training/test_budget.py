@@ -13,7 +13,15 @@ import pytest
 from _cli import fails
 
 import cnftrace
-from cnftrace._defaults import LR, LR_END_DIVISOR, WARMUP
+from cnftrace._defaults import (
+    BATCH_SIZE,
+    BUDGET_BATCH_SIZE,
+    LR,
+    LR_END_DIVISOR,
+    WARMUP,
+    WIDTH_BY_DIM,
+    default_batch_size,
+)
 from cnftrace.cli import main
 
 BUDGET = 2.0  # seconds
@@ -115,6 +123,38 @@ def test_a_resumed_budget_goes_on_with_the_seconds_it_had_left(
     assert again["step"] == resumed["step"]
     with pytest.raises(cnftrace.CheckpointError, match="fit.seconds"):
         _fit(flow, seconds=2 * BUDGET, checkpoints=checkpoints)
+
+
+def test_a_budget_on_a_cpu_trains_on_smaller_batches_and_says_so(capsys):
+    """Under `seconds`, maximum likelihood on a CPU above `WIDTH_BY_DIM`'s first size
+    draws `BUDGET_BATCH_SIZE` samples a step unless told otherwise, and `fit` says
+    so in one line; below, without a budget, on a GPU or TPU, or by another
+    objective, the batch stays `BATCH_SIZE`."""
+    wide = WIDTH_BY_DIM[0][0] + 1
+    assert default_batch_size(wide, True, True, "cpu") == BUDGET_BATCH_SIZE < BATCH_SIZE
+    assert default_batch_size(40, True, True, "cpu") == BUDGET_BATCH_SIZE
+    for other in (
+        (wide - 1, True, True, "cpu"),
+        (wide, False, True, "cpu"),
+        (wide, True, False, "cpu"),
+        (wide, True, True, "gpu"),
+        (wide, True, True, "tpu"),
+    ):
+        assert default_batch_size(*other) == BATCH_SIZE, other
+
+    sizes = set()
+
+    def data(key, n):
+        sizes.add(n)
+        return jr.normal(key, (n, wide))
+
+    field = cnftrace.MLPField(wide, width=8, depth=1, key=jr.key(0))
+    narrow = cnftrace.CNF(field, wide, t1=0.5, rtol=1e-3, atol=1e-3)
+    key, budget = jr.key(1), dict(seconds=100.0, steps=1, optimizer=OPTIMIZER)
+    cnftrace.fit(narrow, data, key=key, **budget)
+    assert BUDGET_BATCH_SIZE in sizes and BATCH_SIZE not in sizes, sizes
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fit:")]
+    assert len(said) == 1 and f"batches of {BUDGET_BATCH_SIZE}" in said[0], said
 
 
 def test_train_minutes_writes_its_budget_and_seconds(tmp_path, capsys):

@@ -29,7 +29,7 @@ def test_default_recipe_reaches_the_quality_bar_in_300_steps():
     # FFJORD's ConcatSquash field at a constant 1e-3 reached 0.027 here. The gap
     # estimates a KL divergence, so it cannot be far below zero either.
     assert -3 * se < gap < 0.04, (gap, se)
-    # The training tolerance of 1e-3 keeps the solves cheap; the flow keeps 1e-5.
+    # The loose training tolerance keeps the solves cheap; the flow keeps 1e-5.
     assert history["nfe"][-1] < 40 and flow.rtol == 1e-5
 
 
