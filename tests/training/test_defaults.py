@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cnftrace
+from cnftrace._defaults import default_batch_size
 from cnftrace.cli import main
 
 TINY = ["--steps", "2", "--batch-size", "16", "--depth", "1", "--no-progress"]
@@ -26,11 +27,13 @@ def test_the_width_follows_the_dimension(dim, width):
     recipe = cnftrace.default_recipe(dim)
     assert recipe.width == width and recipe.depth == 3
     assert f"{dim} dimension" in recipe.reason and f"width {width}" in recipe.reason
-    # fit's and Trainer's defaults are the recipe's.
-    for fn in (cnftrace.fit, cnftrace.Trainer):
-        assert (
-            inspect.signature(fn).parameters["batch_size"].default == recipe.batch_size
-        )
+    # Trainer's default batch is the recipe's, and so is fit's without a time budget
+    # (with one, `default_batch_size` decides: test_budget.py).
+    batch = inspect.signature(cnftrace.Trainer).parameters["batch_size"].default
+    assert batch == recipe.batch_size
+    assert inspect.signature(cnftrace.fit).parameters["batch_size"].default is None
+    for likelihood in (True, False):
+        assert default_batch_size(dim, likelihood, False, "cpu") == recipe.batch_size
     small = cnftrace.default_recipe(dim, rows=400)
     assert "400 training rows" in small.reason and small.width == 64
     # A table gets 64 units per 2,000 training rows (at least 64), up to the above.
