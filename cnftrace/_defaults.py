@@ -87,8 +87,9 @@ class Recipe:
     """What [`default_recipe`][cnftrace.default_recipe] chose, and why.
 
     - `width`, `depth`: the hidden layers of each block's MLP field.
-    - `batch_size`: samples per training step (`fit` halves it under a time
-        budget on a CPU above 5 dimensions: `default_batch_size`).
+    - `batch_size`: samples per training step (`fit` halves it for maximum
+        likelihood under a time budget on a CPU above 5 dimensions:
+        `default_batch_size`).
     - `lr`: the peak learning rate of `warmup_cosine_adam`.
     - `objective`: `"mle"` (maximum likelihood) or `"fm"` (flow matching), what
         [`fit`][cnftrace.fit] trains by when no `objective` is given.
@@ -206,7 +207,8 @@ def default_recipe(dim: int, rows: int | None = None) -> Recipe:
     dimensions, 256 up to 20, 512 beyond) and, on a table, is at most 64 per 2,000
     training rows (a wider field overfits); samples without end of 15 dimensions or
     more train by flow matching for 40,000 steps instead of maximum likelihood for
-    1,000; the other settings are the same for every size. `MLPField` and
+    1,000; the other settings are the same for every size (but for `fit`'s batch
+    under a time budget: [`fit`][cnftrace.fit]). `MLPField` and
     `mlp_flow` see only the dimension: for a small table in Python, pass
     `width=cnftrace.default_recipe(dim, rows=len(train)).width`.
 

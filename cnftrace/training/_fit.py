@@ -43,6 +43,8 @@ from ..store import CheckpointError, _history
 from ..store._checkpoint import (
     key_to_data,
     latest_good_checkpoint,
+    list_checkpoints,
+    read_header,
     save_checkpoint,
 )
 from ..store._lock import DirectoryLock
@@ -128,7 +130,8 @@ def fit(
     - `batch_size`: samples per step; by default (`None`) 512, or 256 for
         maximum likelihood under `seconds` on a CPU above 5 dimensions, where a
         wide field's step costs in proportion to its rows and the budget buys more
-        steps at half the batch (`fit` says so in one line).
+        steps at half the batch (`fit` says so in one line); a resumed run keeps
+        the batch its checkpoints were written with.
     - `objective`: `"mle"` ([`MaximumLikelihood`][cnftrace.MaximumLikelihood]`()`),
         `"fm"` or `"ot-fm"` ([`FlowMatching`][cnftrace.FlowMatching]), or any
         [`AbstractObjective`][cnftrace.AbstractObjective]. By default (`None`),
@@ -203,6 +206,8 @@ def fit(
             flush=True,
         )
     if batch_size is None:
+        batch_size = _stored_batch_size(checkpoints)
+    if batch_size is None:
         likelihood = objective == "mle" or isinstance(objective, MaximumLikelihood)
         backend = jax.default_backend()
         dim = math.prod(flow.event_shape)
@@ -240,6 +245,23 @@ def fit(
             return loop.run(max_failures, progress, log_every, on_log)
         finally:
             loop.log.close()
+
+
+def _stored_batch_size(checkpoints: Checkpoints | None) -> int | None:
+    """The batch size of the newest readable checkpoint in `checkpoints`, or `None`:
+    a resumed run keeps the batch it started with where `fit`'s default would now
+    choose another (a budgeted run resumed on another kind of device)."""
+    if checkpoints is None:
+        return None
+    for _, path in reversed(list_checkpoints(checkpoints.directory)):
+        try:
+            config = read_header(path)[0].get("config")
+        except (CheckpointError, OSError):
+            continue  # `latest_good_checkpoint` reports it
+        size = config.get("fit.batch_size") if isinstance(config, dict) else None
+        ok = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        return size if ok else None
+    return None
 
 
 def _objective_of(target, objective, data, flow) -> str | AbstractObjective:

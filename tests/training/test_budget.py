@@ -7,6 +7,7 @@ import json
 import math
 import os
 
+import jax
 import jax.random as jr
 import numpy as np
 import pytest
@@ -125,7 +126,7 @@ def test_a_resumed_budget_goes_on_with_the_seconds_it_had_left(
         _fit(flow, seconds=2 * BUDGET, checkpoints=checkpoints)
 
 
-def test_a_budget_on_a_cpu_trains_on_smaller_batches_and_says_so(capsys):
+def test_a_budget_on_a_cpu_trains_on_smaller_batches_and_says_so(capsys, monkeypatch):
     """Under `seconds`, maximum likelihood on a CPU above `WIDTH_BY_DIM`'s first size
     draws `BUDGET_BATCH_SIZE` samples a step unless told otherwise, and `fit` says
     so in one line; below, without a budget, on a GPU or TPU, or by another
@@ -151,10 +152,30 @@ def test_a_budget_on_a_cpu_trains_on_smaller_batches_and_says_so(capsys):
     field = cnftrace.MLPField(wide, width=8, depth=1, key=jr.key(0))
     narrow = cnftrace.CNF(field, wide, t1=0.5, rtol=1e-3, atol=1e-3)
     key, budget = jr.key(1), dict(seconds=100.0, steps=1, optimizer=OPTIMIZER)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # also on a GPU
     cnftrace.fit(narrow, data, key=key, **budget)
     assert BUDGET_BATCH_SIZE in sizes and BATCH_SIZE not in sizes, sizes
     said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fit:")]
     assert len(said) == 1 and f"batches of {BUDGET_BATCH_SIZE}" in said[0], said
+
+
+def test_a_resumed_run_keeps_the_batch_it_started_with(flow, tmp_path):
+    """A run resumed without `batch_size` goes on with its checkpoints' batch, where
+    `fit`'s default would choose another (as on another kind of device)."""
+    checkpoints = cnftrace.Checkpoints(str(tmp_path / "ckpt"), every=5)
+    _, first = _fit(flow, seconds=BUDGET, steps=5, checkpoints=checkpoints)
+    sizes = set()
+
+    def data(key, n):
+        sizes.add(n)
+        return _data(key, n)
+
+    _, resumed = cnftrace.fit(
+        flow, data, key=jr.key(1), seconds=BUDGET, steps=8, optimizer=OPTIMIZER,
+        checkpoints=checkpoints, progress=False,
+    )  # fmt: skip
+    assert sizes == {32} and resumed["step"][:5] == first["step"]
+    assert resumed["step"][-1] == 8
 
 
 def test_train_minutes_writes_its_budget_and_seconds(tmp_path, capsys):
