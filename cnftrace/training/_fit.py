@@ -20,7 +20,7 @@ import optax
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
-from .._checks import check_int
+from .._checks import check_int, is_int
 from .._custom_types import Key
 from .._defaults import (
     BATCH_SIZE,
@@ -39,6 +39,7 @@ from ..objectives import (
     MaximumLikelihood,
     ReverseKL,
 )
+from ..objectives._names import resolve_objective
 from ..store import CheckpointError, _history
 from ..store._checkpoint import (
     key_to_data,
@@ -208,7 +209,7 @@ def fit(
     if batch_size is None:
         batch_size = _stored_batch_size(checkpoints)
     if batch_size is None:
-        likelihood = objective == "mle" or isinstance(objective, MaximumLikelihood)
+        likelihood = isinstance(resolve_objective(objective), MaximumLikelihood)
         backend = jax.default_backend()
         dim = math.prod(flow.event_shape)
         budget = seconds is not None
@@ -259,8 +260,7 @@ def _stored_batch_size(checkpoints: Checkpoints | None) -> int | None:
         except (CheckpointError, OSError):
             continue  # `latest_good_checkpoint` reports it
         size = config.get("fit.batch_size") if isinstance(config, dict) else None
-        ok = isinstance(size, int) and not isinstance(size, bool) and size > 0
-        return size if ok else None
+        return size if is_int(size) and size > 0 else None
     return None
 
 
