@@ -57,14 +57,33 @@ def _limits(memory: int | None):
 # The filling of the cache: a run with another learning rate, the cache's entries
 # then (one line), and the clean run, in one process (a process pays seconds of
 # imports; the clean run compiles only its training step, as it would in a process
-# of its own that loads the rest from the cache).
+# of its own that loads the rest from the cache). The cache keeps only programs
+# slower to compile than its least compile time, so on a fast machine the small
+# programs can be fewer than the kinds of damage: copies of them under other keys
+# (an entry and its access-time file) make up the number, and are recorded at exit
+# as any new entry is. JAX never looks them up, so damaging them tests the start's
+# check alone; the real entries get the first kinds, and the training step is
+# always swapped.
 FILL = """
-import os, sys
+import hashlib, os, shutil, sys
 from cnftrace.cli import main
-cache, foreign, clean, *tiny = sys.argv[1:]
+cache, need, foreign, clean, *tiny = sys.argv[1:]
 assert main(["train", "--run-dir", foreign, *tiny, "--lr", "0.01"]) == 0
 print("entries:", *sorted(os.listdir(cache)))
-raise SystemExit(main(["train", "--run-dir", clean, *tiny]))
+code = main(["train", "--run-dir", clean, *tiny])
+small = sorted(
+    n[: -len("-cache")] for n in os.listdir(cache)
+    if n.endswith("-cache") and "%s" not in n
+)
+assert small, os.listdir(cache)
+for i in range(int(need) - len(small)):
+    stem = small[i %% len(small)]
+    name, _, key = stem.rpartition("-")
+    copy = name + "-" + hashlib.sha256((key + str(i)).encode()).hexdigest()
+    for suffix in ("-cache", "-atime"):
+        into = os.path.join(cache, copy + suffix)
+        shutil.copyfile(os.path.join(cache, stem + suffix), into)
+raise SystemExit(code)
 """
 
 
@@ -131,8 +150,9 @@ def filled(tmp_path_factory):
     # A run with another learning rate: its training step has the same inputs and
     # outputs as the clean run's, and other numbers inside.
     cache = home / "cnftrace" / "jax"
-    argv = [str(cache), str(base / "foreign"), str(base / "clean"), *TINY]
-    proc = _python(home, FILL, argv)
+    need = str(len(DAMAGES))
+    argv = [str(cache), need, str(base / "foreign"), str(base / "clean"), *TINY]
+    proc = _python(home, FILL % STEP, argv)
     loss = _loss(proc)
     (listed,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("entries:")]
     before = set(listed.split()[1:])
