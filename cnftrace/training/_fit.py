@@ -197,8 +197,8 @@ def fit(
         )
     log_every = check_int("log_every", log_every)
     max_failures = check_int("max_failures", max_failures)
+    dim = math.prod(flow.event_shape)
     if chose_fm and progress:
-        dim = math.prod(flow.event_shape)
         length = f" for {steps:,} steps" if default_length else ""
         print(
             f"fit: {dim} dimensions from a function: trains by flow matching{length} "
@@ -211,7 +211,6 @@ def fit(
     if batch_size is None:
         likelihood = isinstance(resolve_objective(objective), MaximumLikelihood)
         backend = jax.default_backend()
-        dim = math.prod(flow.event_shape)
         budget = seconds is not None
         batch_size = default_batch_size(dim, likelihood, budget, backend)
         if batch_size != BATCH_SIZE and progress:

@@ -67,17 +67,17 @@ def _limits(memory: int | None):
 FILL = """
 import hashlib, os, shutil, sys
 from cnftrace.cli import main
-cache, need, foreign, clean, *tiny = sys.argv[1:]
+cache, need, step, foreign, clean, *tiny = sys.argv[1:]
 assert main(["train", "--run-dir", foreign, *tiny, "--lr", "0.01"]) == 0
 print("entries:", *sorted(os.listdir(cache)))
 code = main(["train", "--run-dir", clean, *tiny])
 small = sorted(
     n[: -len("-cache")] for n in os.listdir(cache)
-    if n.endswith("-cache") and "%s" not in n
+    if n.endswith("-cache") and step not in n
 )
 assert small, os.listdir(cache)
 for i in range(int(need) - len(small)):
-    stem = small[i %% len(small)]
+    stem = small[i % len(small)]
     name, _, key = stem.rpartition("-")
     copy = name + "-" + hashlib.sha256((key + str(i)).encode()).hexdigest()
     for suffix in ("-cache", "-atime"):
@@ -151,8 +151,8 @@ def filled(tmp_path_factory):
     # outputs as the clean run's, and other numbers inside.
     cache = home / "cnftrace" / "jax"
     need = str(len(DAMAGES))
-    argv = [str(cache), need, str(base / "foreign"), str(base / "clean"), *TINY]
-    proc = _python(home, FILL % STEP, argv)
+    argv = [str(cache), need, STEP, str(base / "foreign"), str(base / "clean")]
+    proc = _python(home, FILL, argv + TINY)
     loss = _loss(proc)
     (listed,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("entries:")]
     before = set(listed.split()[1:])
