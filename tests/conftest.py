@@ -74,52 +74,12 @@ except OSError:
     _LIBC = None
 
 
-# The files that take longest (mostly XLA compiling, or processes of their own),
-# first, by their measured time: pytest-xdist's `--dist loadfile` hands out whole
-# files in collection order, so putting the long ones first keeps one worker from
-# finishing a long file alone at the end.
-LONGEST_FIRST = (
-    "test_docs_examples.py",
-    "test_cnf.py",
-    "test_docstring_examples.py",
-    "test_user_lane.py",
-    "test_train.py",
-    "test_probability_flow.py",
-    "test_bench_run.py",
-    "test_conditional.py",
-    "test_matching.py",
-    "test_bases.py",
-    "test_cli.py",
-    "test_experiments_tabular.py",
-    "test_experiments_images.py",
-    "test_regularization.py",
-    "test_multiscale.py",
-    "test_parallel.py",
-    "test_defaults.py",
-    "test_bench_b3.py",
-    "test_bench_b5.py",
-    "test_sketch_trace.py",
-    "test_reverse_kl.py",
-    "test_checkpoint.py",
-    "test_cache_damage.py",
-    "test_nets.py",
-    "test_file_values.py",
-    "test_run_directory.py",
-    "test_own_data.py",
-    "test_bench_gpu.py",
-    "test_cache.py",
-    "test_stages.py",
-    "test_default_recipe.py",
-    "test_learn_t1.py",
-)
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first; the smoke tests of the benchmarks and experiments
-    (tests/bench/) marked `bench`, so that `-m "not bench"` leaves them out."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """The smoke tests of the benchmarks and experiments (tests/bench/) marked
+    `bench`, so that `-m "not bench"` leaves them out."""
     for item in items:
         if os.path.dirname(str(item.path)) == BENCH:
             item.add_marker(pytest.mark.bench)
