@@ -29,12 +29,13 @@ demo: venv
 
 # One pytest worker per core (`-n auto`): the suite's time is mostly XLA compiling
 # small programs, one core each. A test file runs whole on one worker, so its
-# module-scoped fixtures are built once; pytest-xdist hands the files out by their
-# number of tests, the most first, and the two workers finish within seconds of each
-# other. A worker that crashes is not replaced: the run ends with its failure
-# instead of waiting on the crashed worker's files.
+# module-scoped fixtures are built once; the files are handed out in the order that
+# tests/conftest.py gives them, the longest first (`--no-loadscope-reorder`). A
+# worker that crashes is not replaced: the run ends with its failure instead of
+# waiting on the crashed worker's files.
 test: venv
-	$(PY) -m pytest -q -n auto --dist loadfile --max-worker-restart=0 tests; rc=$$?; \
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder \
+		--max-worker-restart=0 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo 'make test: pytest collected no tests' >&2; fi; exit $$rc
 
 # The documentation site (mkdocs.yml, docs/): `docs-build` builds it into site/ and

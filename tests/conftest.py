@@ -74,12 +74,68 @@ except OSError:
     _LIBC = None
 
 
+# The test files by their measured time, the longest first (docs/changelog.md), the
+# rest after them: `make test` hands whole files to its workers (`--dist loadfile`) in
+# this order (`--no-loadscope-reorder`), so that the last files handed out are short
+# and the two workers finish together. pytest-xdist's own order (by the number of
+# tests, the most first) hands out last the long files of a few tests (the user's
+# lane, the default recipe, the two-process tests), and a worker can then run one
+# alone at the end.
+LONGEST_FIRST = (
+    "test_docs_examples.py",
+    "test_cnf.py",
+    "test_user_lane.py",
+    "test_docstring_examples.py",
+    "test_train.py",
+    "test_matching.py",
+    "test_conditional.py",
+    "test_probability_flow.py",
+    "test_experiments_tabular.py",
+    "test_parallel.py",
+    "test_multiscale.py",
+    "test_cli.py",
+    "test_experiments_images.py",
+    "test_bench_run.py",
+    "test_bench_b3.py",
+    "test_regularization.py",
+    "test_bases.py",
+    "test_defaults.py",
+    "test_bench_b5.py",
+    "test_reverse_kl.py",
+    "test_cache_damage.py",
+    "test_sketch_trace.py",
+    "test_checkpoint.py",
+    "test_nets.py",
+    "test_cache.py",
+    "test_budget.py",
+    "test_file_values.py",
+    "test_own_data.py",
+    "test_stages.py",
+    "test_learn_t1.py",
+    "test_targets.py",
+    "test_default_recipe.py",
+    "test_run_directory.py",
+    "test_bench_gpu.py",
+    "test_run_files.py",
+    "test_experiments_toy.py",
+    "test_bench_b5_curves.py",
+    "test_inputs.py",
+    "test_estimators.py",
+    "test_drop_missing.py",
+    "test_trace.py",
+    "test_particles.py",
+    "test_dequantize.py",
+    "test_resume.py",
+    "test_bench_b2.py",
+)
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The smoke tests of the benchmarks and experiments (tests/bench/) marked
-    `bench`, so that `-m "not bench"` leaves them out."""
+    """The longest files first; the smoke tests of the benchmarks and experiments
+    (tests/bench/) marked `bench`, so that `-m "not bench"` leaves them out."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         if os.path.dirname(str(item.path)) == BENCH:
             item.add_marker(pytest.mark.bench)

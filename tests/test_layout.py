@@ -252,3 +252,18 @@ def test_no_import_circle_among_the_modules():
         if node not in index:
             visit(node)
     assert not circles, f"import circles: {circles}"
+
+
+def test_the_files_ordered_longest_first_are_the_suites_files():
+    """conftest.py's `LONGEST_FIRST` names test files by their base name: each names
+    one file of the suite, so that a file renamed or removed does not leave the order
+    silently short of it."""
+    from conftest import LONGEST_FIRST
+
+    files = glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+    names = [os.path.basename(f) for f in files]
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    for name in LONGEST_FIRST:
+        assert names.count(name) == 1, (
+            f"conftest.LONGEST_FIRST: {name!r} names {names.count(name)} files"
+        )
